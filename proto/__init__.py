@@ -1,0 +1,1 @@
+"""conveyor's cross-process contract: config, sampling params, messages, codec, sockets."""

@@ -1,0 +1,129 @@
+"""MessagePack codec for proto messages: a tag plus field values; arrays as raw little-endian bytes.
+
+`decode` validates the tag, every field's type, array byte lengths and cross-field shapes, and
+raises ProtocolError for anything else. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import msgpack
+import numpy as np
+
+from proto import messages
+from proto.errors import ProtocolError, ValidationError
+from proto.sampling import SamplingParams
+
+_TAG_OF = {cls: tag for tag, cls in enumerate(messages.MESSAGE_TYPES)}
+_CLASS_OF = dict(enumerate(messages.MESSAGE_TYPES))
+_FIELDS = {cls: dataclasses.fields(cls) for cls in messages.MESSAGE_TYPES}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in messages.MESSAGE_TYPES}
+_SCALAR_KINDS = {int: (int,), float: (float, int), str: (str,), bool: (bool,)}
+
+
+def encode(message: object) -> bytes:
+    cls = type(message)
+    if cls not in _TAG_OF:
+        raise TypeError(f"not a proto message: {cls.__name__}")
+    values: list = [_TAG_OF[cls]]
+    for f in _FIELDS[cls]:
+        value = getattr(message, f.name)
+        if isinstance(value, np.ndarray):
+            dtype = np.dtype(cls.ARRAY_DTYPES[f.name]).newbyteorder("<")
+            value = np.ascontiguousarray(value, dtype=dtype).tobytes()
+        elif isinstance(value, SamplingParams):
+            value = value.to_wire()
+        values.append(value)
+    return msgpack.packb(values, use_bin_type=True)
+
+
+def decode(frame: bytes) -> object:
+    try:
+        values = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"frame is not valid MessagePack ({len(frame)} bytes): {exc}") from exc
+    if not isinstance(values, list) or not values:
+        raise ProtocolError("frame must be a non-empty array [tag, fields...]")
+    tag = values[0]
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag not in _CLASS_OF:
+        raise ProtocolError(f"unknown message tag {tag!r}")
+    cls = _CLASS_OF[tag]
+    fields = _FIELDS[cls]
+    if len(values) - 1 != len(fields):
+        raise ProtocolError(f"{cls.__name__} needs {len(fields)} fields, got {len(values) - 1}")
+    kwargs = {f.name: _decode_field(cls, f.name, v) for f, v in zip(fields, values[1:])}
+    message = cls(**kwargs)
+    _check_shapes(message)
+    return message
+
+
+def _decode_field(cls: type, name: str, value: object) -> object:
+    hint = _HINTS[cls][name]
+    where = f"{cls.__name__}.{name}"
+    if hint is np.ndarray:
+        if not isinstance(value, bytes):
+            raise ProtocolError(f"{where} must be bytes, got {type(value).__name__}")
+        dtype = np.dtype(cls.ARRAY_DTYPES[name]).newbyteorder("<")
+        if len(value) % dtype.itemsize:
+            raise ProtocolError(f"{where} has {len(value)} bytes, not a multiple of {dtype.itemsize}")
+        return np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
+    if hint is SamplingParams:
+        try:
+            return SamplingParams.from_wire(value)
+        except (ValidationError, TypeError) as exc:
+            raise ProtocolError(f"{where}: {exc}") from exc
+    if hint == list[str]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ProtocolError(f"{where} must be a list of strings")
+        return value
+    kinds = _SCALAR_KINDS[hint]
+    if not isinstance(value, kinds) or (hint is not bool and isinstance(value, bool)):
+        raise ProtocolError(f"{where} must be {hint.__name__}, got {type(value).__name__}")
+    return float(value) if hint is float else value
+
+
+def _check_shapes(message: object) -> None:
+    if isinstance(message, messages.StepPlan):
+        _check_plan(message)
+    elif isinstance(message, messages.StepOutputs):
+        n = message.num_outputs
+        _need(len(message.finish_reasons) == n and len(message.error_messages) == n,
+              "StepOutputs lists must all have one entry per request")
+        _check_offsets("StepOutputs.cu_new_tokens", message.cu_new_tokens, n, len(message.new_token_ids))
+        bad = set(message.finish_reasons) - set(messages.FINISH_REASONS)
+        _need(not bad, f"StepOutputs has unknown finish reasons {sorted(bad)}")
+    elif isinstance(message, messages.AddRequest):
+        _need(len(message.prompt_token_ids) > 0, "AddRequest.prompt_token_ids is empty")
+        _need(bool((message.prompt_token_ids >= 0).all()), "AddRequest has negative token ids")
+
+
+def _check_plan(plan: messages.StepPlan) -> None:
+    n = plan.num_seqs
+    for name in ("num_computed_tokens", "num_scheduled_tokens", "sample_mask", "temperature",
+                 "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seeds", "history_num_prompt"):
+        _need(len(getattr(plan, name)) == n, f"StepPlan.{name} needs {n} entries")
+    _need(bool((plan.num_scheduled_tokens >= 1).all()), "StepPlan schedules a member with no tokens")
+    _need(bool((plan.num_computed_tokens >= 0).all()), "StepPlan has negative num_computed_tokens")
+    _need(int(plan.num_scheduled_tokens.sum()) == len(plan.input_ids),
+          "StepPlan.input_ids length differs from the sum of num_scheduled_tokens")
+    _check_offsets("StepPlan.cu_block_ids", plan.cu_block_ids, n, len(plan.block_ids))
+    _check_offsets("StepPlan.cu_history", plan.cu_history, n, len(plan.history_token_ids))
+    nb = len(plan.bias_rows)
+    _need(len(plan.bias_token_ids) == nb and len(plan.bias_values) == nb,
+          "StepPlan bias arrays differ in length")
+    _need(nb == 0 or (0 <= int(plan.bias_rows.min()) and int(plan.bias_rows.max()) < n),
+          "StepPlan.bias_rows out of range")
+
+
+def _check_offsets(where: str, offsets: np.ndarray, n: int, total: int) -> None:
+    _need(len(offsets) == n + 1, f"{where} needs {n + 1} entries, got {len(offsets)}")
+    _need(int(offsets[0]) == 0 and int(offsets[-1]) == total, f"{where} must run from 0 to {total}")
+    _need(bool((np.diff(offsets) >= 0).all()), f"{where} must be non-decreasing")
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ProtocolError(message)

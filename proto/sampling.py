@@ -1,0 +1,138 @@
+"""Per-request sampling and stopping parameters, validated once at the frontend boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from proto.errors import ValidationError
+
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks tokens and when it stops (on token ids; stop strings live in the frontend).
+
+    temperature 0 means greedy. `seed` None means "the scheduler picks one": noise is always
+    derived from (seed, position, token id), so a row never depends on its batch-mates.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValidationError naming the field, the limit and the value."""
+        _check_type("max_tokens", self.max_tokens, int)
+        _check_range("max_tokens", self.max_tokens, 1, None)
+        _check_type("temperature", self.temperature, float)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_type("top_p", self.top_p, float)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check_type("top_k", self.top_k, int)
+        if self.top_k < -1:
+            raise ValidationError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}", "top_k")
+        _check_type("min_p", self.min_p, float)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_type("repetition_penalty", self.repetition_penalty, float)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValidationError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_type(name, getattr(self, name), float)
+            _check_range(name, getattr(self, name), -2.0, 2.0)
+        if self.seed is not None:
+            _check_type("seed", self.seed, int)
+            _check_range("seed", self.seed, -(2**63), 2**63 - 1)
+        _check_type("min_tokens", self.min_tokens, int)
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValidationError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValidationError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}",
+                "stop_token_ids")
+        for token_id in self.stop_token_ids:
+            _check_token_id("stop_token_ids", token_id, vocab_size)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValidationError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}",
+                "logit_bias")
+        for token_id, bias in self.logit_bias:
+            _check_token_id("logit_bias", token_id, vocab_size)
+            _check_type("logit_bias", bias, float)
+            _check_range("logit_bias", bias, -100.0, 100.0)
+
+    def to_wire(self) -> list:
+        """Field values in declaration order (tuples become lists for msgpack)."""
+        return [_to_wire_value(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_wire(cls, values: list) -> "SamplingParams":
+        names = [f.name for f in fields(cls)]
+        if not isinstance(values, list) or len(values) != len(names):
+            raise ValidationError(f"sampling params need {len(names)} fields, got {values!r:.80}")
+        kwargs = dict(zip(names, values))
+        kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+        kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"])
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            if isinstance(kwargs[name], int) and not isinstance(kwargs[name], bool):
+                kwargs[name] = float(kwargs[name])
+        return cls(**kwargs)
+
+
+def _to_wire_value(value: object) -> object:
+    if isinstance(value, tuple):
+        return [_to_wire_value(v) for v in value]
+    return value
+
+
+def _check_type(name: str, value: object, kind: type) -> None:
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise ValidationError(f"{name} must be of type {kind.__name__}, got {value!r}", name)
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if value != value:  # NaN
+        raise ValidationError(f"{name} must be a number, got NaN", name)
+    if low is not None and value < low:
+        raise ValidationError(f"{name} must be >= {low}, got {value}", name)
+    if high is not None and value > high:
+        raise ValidationError(f"{name} must be <= {high}, got {value}", name)
+
+
+def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None:
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+        raise ValidationError(f"{name} token ids must be non-negative integers, got {token_id!r}", name)
+    if vocab_size is not None and token_id >= vocab_size:
+        raise ValidationError(
+            f"{name} token id {token_id} is out of range for a vocabulary of {vocab_size}", name)
