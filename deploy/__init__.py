@@ -1,0 +1,1 @@
+"""The supervisor: resolves the model, starts every process, watches and stops them."""

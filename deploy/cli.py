@@ -1,0 +1,127 @@
+"""The `conveyor` command: `serve` starts the stack; `bench` replays a trace against a server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+
+from deploy.model_info import ModelError, read_model_info
+from deploy.model_source import resolve_model
+from proto.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from proto.errors import ValidationError
+
+log = logging.getLogger("conveyor.deploy")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G' or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 2GiB or 512MiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local HF model directory or cached model id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--served-model-name", default="")
+    parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument("--scheduling", choices=SCHEDULING_POLICIES, default=defaults.scheduling)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context length")
+    parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
+                        help="waiting-queue limit; requests beyond it get 429")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes,
+                        help="KV cache budget per worker, e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per worker")
+    parser.add_argument("--null-model", action="store_true",
+                        help="sample without running a model (measures scheduler + IPC overhead)")
+    parser.add_argument("--ready-timeout", type=float, default=defaults.ready_timeout_s)
+    parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s)
+    parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s)
+    parser.add_argument("--log-level", default=defaults.log_level,
+                        choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model_dir = resolve_model(args.model)
+    info = read_model_info(model_dir)
+    max_model_len = args.max_model_len or info.max_position_embeddings
+    if max_model_len > info.max_position_embeddings:
+        raise ValidationError(f"--max-model-len {max_model_len} exceeds the model's context length "
+                              f"{info.max_position_embeddings}")
+    if info.num_attention_heads % args.tensor_parallel_size:
+        raise ValidationError(f"--tensor-parallel-size {args.tensor_parallel_size} does not divide "
+                              f"the model's {info.num_attention_heads} attention heads")
+    return EngineConfig(
+        model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
+        dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+        max_num_waiting=args.max_num_waiting, scheduling=args.scheduling, null_model=args.null_model,
+        tensor_parallel_size=args.tensor_parallel_size, num_threads=args.num_threads,
+        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
+        api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from deploy.launcher import Stack, StartupError
+
+    try:
+        config = config_from_args(args)
+    except (ModelError, ValidationError) as exc:
+        log.error("%s", exc)
+        return 2
+    log.info("serving model directory %s as %r (%s, %s scheduling)", config.model,
+             config.served_model_name, config.dtype, config.scheduling)
+    stopping = {"flag": False}
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("received %s; draining and stopping", signal.Signals(signum).name)
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        with Stack(config) as stack:
+            log.info("conveyor is answering on %s (OpenAI API under /v1)", stack.url)
+            reason = stack.watch(lambda: stopping["flag"])
+            log.log(logging.INFO if stopping["flag"] else logging.ERROR, "%s", reason)
+            return 0 if stopping["flag"] else 1
+    except StartupError as exc:
+        log.error("start-up failed: %s", exc)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help="serve a model over the OpenAI API"))
+    from deploy import bench
+
+    bench.add_arguments(commands.add_parser("bench", help="replay a trace against a server"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return bench.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

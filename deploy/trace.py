@@ -1,0 +1,94 @@
+"""Benchmark traces: prompt lengths, output lengths and arrival times, saved as JSONL."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OUTPUT_DISTS = ("heavy", "uniform")
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    arrival_s: float  # offset from the start of the run
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    num_prompts: int = 256
+    prompt_len_min: int = 64
+    prompt_len_max: int = 512
+    output_dist: str = "heavy"  # heavy: lognormal; uniform: every output the same length
+    output_median: int = 48
+    output_sigma: float = 1.0
+    output_max: int = 512
+    request_rate: float = math.inf  # requests/s (Poisson); inf = one burst at t=0
+    seed: int = 0
+    vocab_low: int = 100  # prompt ids are drawn from [vocab_low, vocab_high): ordinary tokens
+    vocab_high: int = 10000
+
+    def validate(self) -> None:
+        checks = [
+            (self.num_prompts >= 1, f"--num-prompts must be >= 1, got {self.num_prompts}"),
+            (1 <= self.prompt_len_min <= self.prompt_len_max,
+             f"prompt lengths need 1 <= min <= max, got {self.prompt_len_min}..{self.prompt_len_max}"),
+            (self.output_dist in OUTPUT_DISTS, f"--output-dist must be one of {OUTPUT_DISTS}"),
+            (1 <= self.output_median <= self.output_max,
+             f"output lengths need 1 <= median <= max, got {self.output_median}, {self.output_max}"),
+            (self.output_sigma >= 0, f"--output-sigma must be >= 0, got {self.output_sigma}"),
+            (self.request_rate > 0, f"--request-rate must be > 0 (or inf), got {self.request_rate}"),
+            (0 <= self.vocab_low < self.vocab_high, "token id range must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def make_trace(spec: TraceSpec) -> list[TraceEntry]:
+    spec.validate()
+    rng = random.Random(spec.seed)
+    entries: list[TraceEntry] = []
+    clock_s = 0.0
+    for _ in range(spec.num_prompts):
+        if math.isfinite(spec.request_rate):
+            clock_s += rng.expovariate(spec.request_rate)
+        prompt_len = rng.randint(spec.prompt_len_min, spec.prompt_len_max)
+        prompt = [rng.randrange(spec.vocab_low, spec.vocab_high) for _ in range(prompt_len)]
+        entries.append(TraceEntry(round(clock_s, 6), prompt, _output_len(spec, rng)))
+    return entries
+
+
+def _output_len(spec: TraceSpec, rng: random.Random) -> int:
+    if spec.output_dist == "uniform":
+        return spec.output_median
+    drawn = rng.lognormvariate(math.log(spec.output_median), spec.output_sigma)
+    return max(1, min(spec.output_max, round(drawn)))
+
+
+def save_trace(entries: list[TraceEntry], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as out:
+        for entry in entries:
+            out.write(json.dumps(asdict(entry)) + "\n")
+
+
+def load_trace(path: Path) -> list[TraceEntry]:
+    entries = []
+    with open(path) as src:
+        for line_no, line in enumerate(src, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+                entries.append(TraceEntry(float(raw["arrival_s"]), [int(t) for t in raw["prompt_token_ids"]],
+                                          int(raw["output_len"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: not a trace entry: {exc}") from exc
+    if not entries:
+        raise ValueError(f"{path} holds no trace entries")
+    return entries

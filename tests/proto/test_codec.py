@@ -1,0 +1,116 @@
+"""proto: every message round-trips; malformed frames are rejected with ProtocolError."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from proto import codec, messages
+from proto.config import EngineConfig
+from proto.errors import ProtocolError, ValidationError
+from proto.sampling import SamplingParams
+
+
+def _plan(num_seqs: int = 2) -> messages.StepPlan:
+    i32 = lambda values: np.asarray(values, dtype=np.int32)  # noqa: E731
+    f32 = lambda values: np.asarray(values, dtype=np.float32)  # noqa: E731
+    return messages.StepPlan(
+        step_id=7, request_ids=[f"r{i}" for i in range(num_seqs)],
+        input_ids=i32([5, 6, 7, 8][: num_seqs + 1]), num_computed_tokens=i32([0, 10][:num_seqs]),
+        num_scheduled_tokens=i32([2, 1][:num_seqs]), cu_block_ids=i32([0, 1, 2][: num_seqs + 1]),
+        block_ids=i32([3, 4][:num_seqs]), sample_mask=np.ones(num_seqs, dtype=bool),
+        temperature=f32([0.0, 0.7][:num_seqs]), top_p=f32([1.0, 0.9][:num_seqs]),
+        top_k=i32([0, 5][:num_seqs]), min_p=f32([0, 0][:num_seqs]),
+        repetition_penalty=f32([1, 1.1][:num_seqs]), presence_penalty=f32([0, 0][:num_seqs]),
+        frequency_penalty=f32([0, 0][:num_seqs]), seeds=np.asarray([1, 2**62][:num_seqs], dtype=np.int64),
+        bias_rows=i32([1]), bias_token_ids=i32([9]), bias_values=f32([-np.inf]),
+        cu_history=i32([0, 0, 3][: num_seqs + 1]), history_token_ids=i32([1, 2, 3]),
+        history_num_prompt=i32([0, 2][:num_seqs]))
+
+
+def _assert_equal(a: object, b: object) -> None:
+    assert type(a) is type(b)
+    for name, value in vars(a).items():
+        other = getattr(b, name)
+        if isinstance(value, np.ndarray):
+            assert value.dtype == other.dtype and np.array_equal(value, other), name
+        else:
+            assert value == other, name
+
+
+@pytest.mark.parametrize("message", [
+    messages.AddRequest("a", np.arange(4, dtype=np.int32),
+                        SamplingParams(temperature=0.5, seed=3, stop_token_ids=(1, 2),
+                                       logit_bias=((4, -1.5),)), 12.5),
+    messages.AbortRequest(["a", "b"]),
+    _plan(),
+    messages.StepResult(7, np.asarray([1, 2], dtype=np.int32), ""),
+    messages.WorkerReady(0, 128, 42),
+    messages.StepOutputs(3, ["a"], np.asarray([0, 2], dtype=np.int32), np.asarray([9, 8], dtype=np.int32),
+                         ["length"], [""], 1, 0, 0.25, 0, 0.01, 1.0),
+    messages.ProcessReady("scheduler", 1, "ok"),
+    messages.ProcessFailed("worker0", 2, "no model"),
+])
+def test_every_message_round_trips(message: object) -> None:
+    _assert_equal(codec.decode(codec.encode(message)), message)
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([]), msgpack.packb([99]),
+    msgpack.packb([True]), msgpack.packb([1, [1]]), msgpack.packb([1, "notalist"]),
+    msgpack.packb([3, 7, b"\x01\x02\x03", "x"]),  # StepResult with 3 bytes of int32
+])
+def test_malformed_frames_raise_protocol_error(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        codec.decode(frame)
+
+
+def test_plan_with_inconsistent_lengths_is_rejected() -> None:
+    frame = msgpack.unpackb(codec.encode(_plan()))
+    frame[3] = np.asarray([1, 2, 3, 4, 5], dtype=np.int32).tobytes()  # input_ids != sum(scheduled)
+    with pytest.raises(ProtocolError, match="num_scheduled_tokens"):
+        codec.decode(msgpack.packb(frame))
+
+
+def test_outputs_with_unknown_finish_reason_are_rejected() -> None:
+    message = messages.StepOutputs(1, ["a"], np.asarray([0, 0], dtype=np.int32), np.zeros(0, np.int32),
+                                   ["exploded"], [""], 0, 0, 0.0, 0, 0.0, 0.0)
+    with pytest.raises(ProtocolError, match="finish reasons"):
+        codec.decode(codec.encode(message))
+
+
+def test_sampling_params_out_of_range_are_rejected_on_decode() -> None:
+    frame = msgpack.unpackb(codec.encode(messages.AddRequest(
+        "a", np.arange(3, dtype=np.int32), SamplingParams(), 0.0)))
+    frame[3][1] = -1.0  # temperature
+    with pytest.raises(ProtocolError, match="temperature"):
+        codec.decode(msgpack.packb(frame))
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"presence_penalty": 3.0}, "presence_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": ((1, 101.0),)}, "logit_bias"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ({"max_tokens": "8"}, "max_tokens"),
+])
+def test_sampling_params_name_the_offending_field(kwargs: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_token_ids_are_checked_against_the_vocabulary() -> None:
+    with pytest.raises(ValidationError, match="out of range for a vocabulary of 100"):
+        SamplingParams(logit_bias=((100, 1.0),)).validate(vocab_size=100)
+
+
+def test_engine_config_round_trips_through_json_and_rejects_bad_values() -> None:
+    config = EngineConfig(model="/m", eos_token_ids=(1, 2), scheduling="static")
+    assert EngineConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValidationError, match="scheduling"):
+        EngineConfig(scheduling="fifo")
+    with pytest.raises(ValidationError, match="max_num_seqs must be >= 1, got 0"):
+        EngineConfig(max_num_seqs=0)
