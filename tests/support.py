@@ -1,0 +1,72 @@
+"""Helpers for tests that run the real stack: configs, HF references, SSE and metrics parsing."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import httpx
+
+from deploy.model_info import read_model_info
+from proto.config import EngineConfig
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
+    info = read_model_info(model_dir)
+    base = dict(model=str(model_dir), served_model_name="tiny", dtype="float32",
+                num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=256,
+                max_model_len=info.max_position_embeddings, vocab_size=info.vocab_size,
+                eos_token_ids=info.eos_token_ids, port=free_port(), num_threads=1,
+                ready_timeout_s=120.0, shutdown_timeout_s=5.0, log_level="warning")
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def hf_greedy_texts(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Hugging Face `generate` (fp32, greedy) continuations, decoded: the correctness anchor."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return texts
+
+
+def sse_events(lines: list[str]) -> list[dict | str]:
+    """Parsed `data:` payloads of an SSE body; the literal '[DONE]' stays a string."""
+    events: list[dict | str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metric_value(base_url: str, name: str, **labels: str) -> float:
+    """The summed value of one sample of /metrics (all label sets matching `labels`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+                found = True
+    if not found:
+        raise KeyError(f"{name}{labels} not in /metrics")
+    return total

@@ -1,0 +1,52 @@
+"""Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_proc import parallel
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * per_rank, (rank + 1) * per_rank) of the table; the vocab is padded to split evenly."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_rank = parallel.get_rank()
+        self.tp_size = parallel.get_world_size()
+        self.vocab_size = vocab_size
+        self.vocab_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.vocab_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        rows = max(0, min(self.vocab_per_rank, loaded.shape[0] - self.vocab_start))
+        param.data.narrow(0, 0, rows).copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [num_tokens] -> [num_tokens, hidden]."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.vocab_per_rank)
+        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        embedded.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return parallel.all_reduce(embedded)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> logits over the full vocab (shards gathered from every rank)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> float32 [num_rows, vocab_size]."""
+        logits = parallel.all_gather_last_dim(F.linear(hidden, self.weight))
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[:, :self.vocab_size]
+        return logits.float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)
