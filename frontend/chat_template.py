@@ -65,11 +65,17 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 def render_chat_template(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                         special_tokens: dict[str, str], **extra: Any) -> str:
-    """Render `messages` to the prompt text; `special_tokens` holds bos_token, eos_token, ..."""
+                         special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
+                         **extra: Any) -> str:
+    """Render `messages` to the prompt text; `special_tokens` holds bos_token, eos_token, ...
+
+    `tools` and `documents` are always passed (None when absent) because templates test
+    `tools is not none`, exactly as they do under HF's apply_chat_template.
+    """
     template = compile_chat_template(source)
+    variables = {"documents": None, **special_tokens, **extra}
     try:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **special_tokens, **extra)
-    except jinja2.TemplateError as exc:
+        return template.render(messages=messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, **variables)
+    except Exception as exc:  # template code fails on odd messages in any way (TypeError, ...)
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc

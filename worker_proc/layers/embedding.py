@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_proc import parallel
+from worker_proc.layers.linear import packed_linear, prepack
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,9 +42,21 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocab (shards gathered from every rank)."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self, keep_weight: bool) -> None:
+        """Call once, after loading; keep_weight when the table is tied to the token embedding."""
+        self.packed_weight = prepack(self.weight)
+        if not keep_weight:
+            self.weight.data = self.weight.data.new_empty(0)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 [num_rows, vocab_size]."""
-        logits = parallel.all_gather_last_dim(F.linear(hidden, self.weight))
+        if self.packed_weight is not None:
+            local = packed_linear(hidden, self.packed_weight, None)
+        else:
+            local = F.linear(hidden, self.weight)
+        logits = parallel.all_gather_last_dim(local)
         if logits.shape[-1] != self.vocab_size:
             logits = logits[:, :self.vocab_size]
         return logits.float()

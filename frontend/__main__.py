@@ -1,0 +1,65 @@
+"""The frontend process: `python -m frontend --config '<EngineConfig json>'`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import uvicorn
+
+from frontend.app import create_app
+from frontend.engine_client import ALIVE_TIMEOUT_S, ZmqEngineClient
+from frontend.server import (UVICORN_GRACE_S, DrainingServer, SupervisorLink, bind_listen_socket,
+                             exit_with_parent)
+from frontend.tokenizer import Tokenizer
+from proto.config import EngineConfig
+
+logger = logging.getLogger("frontend")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    config = EngineConfig.from_json(parser.parse_args(argv).config)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exit_with_parent()
+    if not config.runtime_dir:
+        logger.error("runtime_dir is empty: the frontend needs the scheduler's sockets")
+        return 2
+    link = SupervisorLink(config.runtime_dir)
+    try:
+        return _serve(config, link)
+    finally:
+        link.close()
+
+
+def _serve(config: EngineConfig, link: SupervisorLink) -> int:
+    try:
+        tokenizer = Tokenizer.from_dir(config.model)
+        engine = ZmqEngineClient(config.runtime_dir,
+                                 dead_after_s=config.step_timeout_s + ALIVE_TIMEOUT_S)
+        app = create_app(config, engine, tokenizer)
+        listen_socket = bind_listen_socket(config.host, config.port)
+    except (OSError, ValueError) as exc:
+        logger.error("frontend failed to start: %s", exc)
+        link.failed(str(exc))
+        return 1
+    url = f"http://{config.host}:{listen_socket.getsockname()[1]}"
+    server = DrainingServer(
+        uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=UVICORN_GRACE_S),
+        app.state.conveyor, config.shutdown_timeout_s, on_started=lambda: link.ready(url))
+    try:
+        asyncio.run(server.serve(sockets=[listen_socket]))
+    except SystemExit as exc:  # uvicorn exits this way when the app's startup fails
+        if not server.started:
+            link.failed(f"uvicorn could not start the app (exit {exc.code}); see the log")
+        return 1
+    logger.info("frontend on %s stopped", url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The FastAPI application factory: state, routes, OpenAI errors, API key check, engine lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import os
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from pathlib import Path
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend.engine_client import EngineClient
+from frontend.errors import APIError, install_error_handlers
+from frontend.metrics import FrontendMetrics
+from frontend.routes import chat, completions, misc
+from frontend.state import ServerState
+from frontend.tokenizer import Tokenizer
+from frontend.validation import ModelLimits
+from proto.config import EngineConfig
+
+
+def create_app(config: EngineConfig, engine_client: EngineClient,
+               tokenizer: Tokenizer | None = None) -> FastAPI:
+    """Build the app; the engine client is started and closed by the app's lifespan."""
+    tokenizer = tokenizer or Tokenizer.from_dir(config.model)
+    model_name = served_model_name(config)
+    limits = ModelLimits(max_model_len=resolve_max_model_len(config),
+                         vocab_size=config.vocab_size or tokenizer.vocab_size)
+    state = ServerState(config=config, engine=engine_client, tokenizer=tokenizer,
+                        metrics=FrontendMetrics(model_name), limits=limits, model_name=model_name,
+                        max_in_flight=config.max_num_seqs + config.max_num_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine_client.start()
+        try:
+            yield
+        finally:
+            await engine_client.close()
+
+    app = FastAPI(title="conveyor", lifespan=lifespan)
+    app.state.conveyor = state
+    install_error_handlers(app)
+    for module in (completions, chat, misc):
+        app.include_router(module.router)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def served_model_name(config: EngineConfig) -> str:
+    return config.served_model_name or os.path.basename(config.model.rstrip("/")) or "conveyor"
+
+
+def resolve_max_model_len(config: EngineConfig) -> int:
+    """config.max_model_len, or (when 0) the model's max_position_embeddings from config.json."""
+    if config.max_model_len:
+        return config.max_model_len
+    model_config = Path(config.model) / "config.json"
+    if model_config.is_file():
+        value = json.loads(model_config.read_text()).get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"max_model_len is 0 and {model_config} has no max_position_embeddings: "
+                     f"set max_model_len")
+
+
+class ApiKeyMiddleware:
+    """401 on /v1/* unless `Authorization: Bearer <api_key>`. Pure ASGI so streams are untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            error = APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key: send "
+                             "`Authorization: Bearer <key>`", "invalid_request_error", None,
+                             "invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers", ()))
+        # compare_digest: the comparison time must not reveal how much of the key matched.
+        return hmac.compare_digest(headers.get(b"authorization", b""), self._expected)

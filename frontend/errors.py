@@ -1,0 +1,94 @@
+"""OpenAI-shaped error responses: every failure the HTTP layer reports goes through `APIError`."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proto.errors import ValidationError
+
+logger = logging.getLogger(__name__)
+_UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+class APIError(Exception):
+    """An error with its HTTP status and the fields of OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, "invalid_request_error", param, code)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    return bad_request(exc.message, exc.param)
+
+
+def describe_pydantic_errors(errors: list[dict[str, Any]]) -> APIError:
+    """One readable 400 from pydantic/FastAPI error dicts: the first problem, its place, its input."""
+    first = errors[0]
+    # Union members add their type to the location ("stop.list[str]"); the client only needs the field.
+    location = [str(part) for part in first.get("loc", ())
+                if part != "body" and part not in _UNION_TAGS and "[" not in str(part)]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "))
+    if param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        return bad_request("the request body must be a JSON object")
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return bad_request(message, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Replace FastAPI's 422 and plain-text errors with OpenAI bodies; nothing escapes as a crash."""
+
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return describe_pydantic_errors(list(exc.errors())).response()
+
+    async def on_proto_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = APIError(exc.status_code, str(exc.detail), kind)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving %s %s", request.method, request.url.path)
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}",
+                        "server_error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(ValidationError, on_proto_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,1 @@
+"""HTTP routes, one module per concept: completions, chat, and the small operational endpoints."""

@@ -1,0 +1,73 @@
+"""The small endpoints: models, health, metrics, tokenize, detokenize, version."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from frontend.errors import bad_request
+from frontend.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from frontend.state import get_state
+from frontend.validation import chat_prompt_ids, check_token_ids
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = get_state(request)
+    card = {"id": state.model_name, "object": "model", "created": state.created_s,
+            "owned_by": "conveyor", "root": state.config.model,
+            "max_model_len": state.limits.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 only while the scheduler spoke recently (by our clock) and we are not draining."""
+    state = get_state(request)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not state.engine.is_alive():
+        return JSONResponse({"status": "engine_unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = get_state(request)
+    return Response(state.metrics.render(state.engine.latest_stats), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict:
+    state = get_state(request)
+    body = parse_body(await request.body(), TokenizeRequest)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of `prompt` or `messages`")
+    if body.messages is not None:
+        tokens = chat_prompt_ids(body.messages, state.tokenizer, body.add_generation_prompt)
+    else:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.limits.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    state = get_state(request)
+    body = parse_body(await request.body(), DetokenizeRequest)
+    state.check_model(body.model)
+    check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@router.get("/version")
+async def version() -> dict:
+    try:
+        return {"version": metadata.version("conveyor")}
+    except metadata.PackageNotFoundError:
+        return {"version": "unknown"}

@@ -1,0 +1,116 @@
+"""The run of one generation request, shared by completions and chat: admit, stream or collect."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from frontend.engine_client import EngineUnavailableError
+from frontend.errors import APIError
+from frontend.generation import Generation, abort_on_disconnect
+from frontend.state import ServerState
+from frontend.validation import GenerationJob
+
+# The scheduler reports a full waiting queue as an "error" finish; its message is the only signal.
+_QUEUE_FULL = re.compile(r"queue.*full|max_num_waiting", re.IGNORECASE)
+
+
+class ResponseFormat(Protocol):
+    """How one endpoint shapes its choices; everything else about serving is shared."""
+
+    id_prefix: str
+    object_name: str  # non-streaming response
+    chunk_object_name: str
+
+    def first_choice(self) -> dict[str, Any] | None: ...
+
+    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+
+    def final_choice(self, text: str, finish_reason: str) -> dict[str, Any]: ...
+
+
+async def serve_job(state: ServerState, request: Request, job: GenerationJob, fmt: ResponseFormat,
+                    arrival_s: float) -> Response:
+    """Admit, run and answer one validated job; `arrival_s` is time.monotonic() at arrival."""
+    state.check_admission()
+    request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    generation = Generation(state.engine, state.tokenizer, state.metrics, request_id, job, arrival_s)
+    if job.stream:
+        return StreamingResponse(_sse_events(state, request, generation, fmt),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    with state.track_request(generation):
+        async with abort_on_disconnect(request.receive, generation.abort):
+            try:
+                text = await generation.text()
+            except EngineUnavailableError as exc:
+                raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error") from exc
+    if generation.finish_reason in ("error", "abort"):
+        return _failure(generation).response()
+    body = _envelope(state, generation, fmt.object_name)
+    body["choices"] = [fmt.final_choice(text, generation.finish_reason)]
+    body["usage"] = _usage(generation)
+    return JSONResponse(body)
+
+
+async def _sse_events(state: ServerState, request: Request, generation: Generation,
+                      fmt: ResponseFormat) -> AsyncIterator[str]:
+    include_usage = generation.job.include_usage
+    envelope = _envelope(state, generation, fmt.chunk_object_name)
+    if include_usage:
+        envelope["usage"] = None
+
+    def chunk(choice: dict[str, Any]) -> str:
+        return _sse({**envelope, "choices": [choice]})
+
+    with state.track_request(generation):
+        async with abort_on_disconnect(request.receive, generation.abort):
+            first = fmt.first_choice()
+            if first is not None:
+                yield chunk(first)
+            try:
+                async for delta in generation.deltas():
+                    if delta.text:
+                        yield chunk(fmt.chunk_choice(delta.text, None))
+                    if delta.finish_reason in ("stop", "length"):
+                        yield chunk(fmt.chunk_choice("", delta.finish_reason))
+            except EngineUnavailableError as exc:
+                yield _sse(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error").body())
+            else:
+                if generation.finish_reason in ("error", "abort"):
+                    yield _sse(_failure(generation).body())
+                elif include_usage:
+                    yield _sse({**envelope, "choices": [], "usage": _usage(generation)})
+            yield "data: [DONE]\n\n"
+
+
+def _failure(generation: Generation) -> APIError:
+    """The error a request that did not finish normally reports (429 for a full scheduler queue)."""
+    message = generation.error_message or "the request was aborted"
+    if generation.finish_reason == "abort":
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, "aborted")
+    if _QUEUE_FULL.search(message):
+        return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limit_error", None, "queue_full")
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
+
+
+def _envelope(state: ServerState, generation: Generation, object_name: str) -> dict[str, Any]:
+    return {"id": generation.request_id, "object": object_name, "created": generation.created_s,
+            "model": state.model_name}
+
+
+def _usage(generation: Generation) -> dict[str, int]:
+    return {"prompt_tokens": generation.num_prompt_tokens,
+            "completion_tokens": generation.num_output_tokens,
+            "total_tokens": generation.num_prompt_tokens + generation.num_output_tokens}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,90 @@
+"""Text <-> token ids for the frontend, from tokenizer.json and tokenizer_config.json (no transformers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from frontend.chat_template import render_chat_template
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                       "cls_token", "mask_token")
+
+
+class Tokenizer:
+    """The frontend's only view of the vocabulary. Owns the chat template; never touches tensors."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, tokenizer_config: dict[str, Any],
+                 chat_template: str | None) -> None:
+        self._backend = backend
+        self.special_tokens = _special_tokens(tokenizer_config)
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
+        self.eos_token_id = self._id_of(self.special_tokens.get("eos_token"))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        """Load a Hugging Face model directory; raise FileNotFoundError/ValueError saying what is wrong."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {model_dir}: the frontend needs a fast (tokenizers) tokenizer")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises a bare Exception for malformed files
+            raise ValueError(f"cannot load {tokenizer_file}: {exc}") from exc
+        config_file = model_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(backend, config, _find_chat_template(model_dir, config))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The prompt text for `messages`; raises ChatTemplateError (or ValueError without a template)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template: use /v1/completions with a plain prompt")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    self.special_tokens, **template_kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        # The template already writes bos and friends, so encoding must not add them again.
+        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """bos_token, eos_token, ... as plain strings; entries may be strings or AddedToken dicts."""
+    found = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            found[key] = value
+    return found
+
+
+def _find_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    # Newer checkpoints keep the template in its own file, which then wins over the config entry.
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

@@ -1,0 +1,202 @@
+"""Request validation: parsed OpenAI requests -> a GenerationJob (prompt ids, SamplingParams, stops)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.errors import bad_request, from_validation_error
+from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from frontend.tokenizer import Tokenizer
+from proto.errors import ValidationError
+from proto.sampling import SamplingParams
+
+# OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_model_len: int
+    vocab_size: int  # the model's (may exceed the tokenizer's): bounds token ids in requests
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """Everything the frontend needs to run one validated request."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> GenerationJob:
+    _reject_unsupported(request)
+    if request.echo:
+        raise bad_request("echo is not supported", "echo")
+    if request.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.logprobs is not None:
+        raise bad_request("logprobs are not supported", "logprobs")
+    prompt_ids = completion_prompt_ids(request.prompt, tokenizer, limits.vocab_size)
+    room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
+    default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits)
+
+
+def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> GenerationJob:
+    _reject_unsupported(request)
+    if request.logprobs or request.top_logprobs:
+        raise bad_request("logprobs are not supported", "logprobs")
+    if request.tools:
+        raise bad_request("tools are not supported", "tools")
+    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request.add_generation_prompt)
+    max_tokens = _or(request.max_completion_tokens, request.max_tokens)
+    room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages")
+    return _job(request, prompt_ids, _or(max_tokens, room), limits)
+
+
+def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """A string, a list of token ids, or a batch of exactly one of either."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise bad_request(f"batched prompts are not supported: send one prompt per request, "
+                              f"got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt) if prompt else []
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        token_ids = prompt
+        check_token_ids(token_ids, vocab_size, "prompt")
+    elif prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    else:
+        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+    if not token_ids:
+        raise bad_request("prompt must not be empty", "prompt")
+    return token_ids
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
+                    add_generation_prompt: bool = True) -> list[int]:
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    template_messages = [_template_message(m, i) for i, m in enumerate(messages)]
+    try:
+        return tokenizer.encode_chat(template_messages, add_generation_prompt)
+    except ValueError as exc:  # ChatTemplateError, or the model has no chat template
+        raise bad_request(str(exc), "messages") from exc
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """Text parts joined by newlines, as templates written for string content expect."""
+    if not message.role:
+        raise bad_request(f"messages[{index}].role must not be empty", f"messages.{index}.role")
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"messages[{index}].content[{part_index}]: only text parts "
+                    f"({{\"type\": \"text\", \"text\": ...}}) are supported, got type {part.get('type')!r}",
+                    f"messages.{index}.content")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
+
+
+def _reject_unsupported(request: SamplingFields) -> None:
+    if request.n not in (None, 1):
+        raise bad_request(f"n must be 1 (this server returns one choice per request), got {request.n}", "n")
+    if request.best_of not in (None, 1):
+        raise bad_request(f"best_of must be 1, got {request.best_of}", "best_of")
+
+
+def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: ModelLimits,
+                       prompt_param: str) -> int:
+    """Return the room left for output; 400 (saying both numbers) when the prompt does not fit."""
+    num_prompt = len(prompt_ids)
+    wanted = "" if max_tokens is None else f" (plus max_tokens {max_tokens})"
+    message = (f"This model's maximum context length is {limits.max_model_len} tokens, "
+               f"but the prompt has {num_prompt} tokens{wanted}")
+    if num_prompt >= limits.max_model_len:
+        raise bad_request(message, prompt_param, "context_length_exceeded")
+    if max_tokens is not None and max_tokens > 0 and num_prompt + max_tokens > limits.max_model_len:
+        raise bad_request(message, "max_tokens", "context_length_exceeded")
+    return limits.max_model_len - num_prompt
+
+
+def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int,
+         limits: ModelLimits) -> GenerationJob:
+    stream_options = request.stream_options
+    return GenerationJob(
+        prompt_token_ids=prompt_ids,
+        sampling_params=_sampling_params(request, max_tokens, limits.vocab_size),
+        stop=_stop_strings(request.stop),
+        stream=bool(request.stream),
+        include_usage=bool(request.stream and stream_options and stream_options.include_usage),
+    )
+
+
+def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(request.temperature, 1.0),
+            top_p=_or(request.top_p, 1.0),
+            top_k=_or(request.top_k, 0),
+            min_p=_or(request.min_p, 0.0),
+            repetition_penalty=_or(request.repetition_penalty, 1.0),
+            presence_penalty=_or(request.presence_penalty, 0.0),
+            frequency_penalty=_or(request.frequency_penalty, 0.0),
+            seed=request.seed,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            logit_bias=_logit_bias(request.logit_bias),
+        )
+        params.validate(vocab_size)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+    return params
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    entries = []
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        entries.append((int(key), bias))
+    return tuple(entries)
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
+    for text in stops:
+        if not text:
+            raise bad_request("stop strings must not be empty", "stop")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                              f"got {len(text)}", "stop")
+    return stops
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"{param} token ids must be in [0, {vocab_size}), got {bad[0]}", param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

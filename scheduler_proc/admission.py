@@ -1,0 +1,44 @@
+"""Admission checks: why a new request can never run (or may not queue), with the limit and the value."""
+
+from __future__ import annotations
+
+from proto.config import EngineConfig
+from proto.errors import ValidationError
+from proto.messages import AddRequest
+from scheduler_proc.request import max_num_kv_tokens
+
+
+def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int,
+                     num_waiting: int) -> str:
+    """"" if the request may queue; otherwise the error message it finishes with.
+
+    Rejecting here, rather than letting it wait, is what keeps an impossible request from
+    waiting forever: such a request would never fit, however long the others take.
+    """
+    if num_waiting >= config.max_num_waiting:
+        return (f"the waiting queue is full: {num_waiting} requests are waiting and "
+                f"max_num_waiting is {config.max_num_waiting}")
+    prompt = message.prompt_token_ids
+    num_prompt = len(prompt)
+    if config.max_model_len and num_prompt > config.max_model_len:
+        return (f"the prompt has {num_prompt} tokens but max_model_len is {config.max_model_len}")
+    if config.vocab_size and int(prompt.max()) >= config.vocab_size:
+        return (f"prompt token id {int(prompt.max())} is out of range for a vocabulary of "
+                f"{config.vocab_size}")
+    try:
+        message.sampling_params.validate(config.vocab_size or None)
+    except ValidationError as exc:
+        return exc.message
+    return _kv_capacity_error(num_prompt, message.sampling_params.max_tokens, config, num_kv_blocks)
+
+
+def _kv_capacity_error(num_prompt: int, max_tokens: int, config: EngineConfig, num_kv_blocks: int) -> str:
+    num_kv_tokens = max_num_kv_tokens(num_prompt, max_tokens, config.max_model_len)
+    needed_blocks = -(-num_kv_tokens // config.block_size)
+    if needed_blocks <= num_kv_blocks:
+        return ""
+    capacity = num_kv_blocks * config.block_size
+    return (f"the request needs up to {num_kv_tokens} tokens of KV cache ({num_prompt} prompt + "
+            f"{max_tokens} max_tokens - 1, capped by max_model_len) = {needed_blocks} blocks, but the "
+            f"whole KV cache holds {num_kv_blocks} blocks of {config.block_size} tokens "
+            f"({capacity} tokens); lower max_tokens or shorten the prompt")

@@ -1,0 +1,252 @@
+"""The scheduler process's step loop: the only code here that touches sockets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from proto import codec, sockets
+from proto.config import EngineConfig
+from proto.errors import ProtocolError
+from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
+                            StepPlan, StepResult, WorkerReady)
+from scheduler_proc.engine import SchedulerEngine
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0  # the frontend's liveness signal while nothing else is sent
+POLL_SLICE_S = 0.5  # longest blocking wait before re-checking stop requests and the parent
+MAX_FRAMES_PER_DRAIN = 4096  # bounds one inbox drain so a flood cannot starve running steps
+FINAL_MESSAGE_LINGER_MS = 1000  # time for last outputs / ProcessFailed to leave at exit
+
+
+class SchedulerLoop:
+    """Binds the scheduler's sockets, waits for every worker rank, then runs steps until told
+    to stop (request_stop, e.g. from SIGTERM) or until the parent process is gone."""
+
+    def __init__(self, config: EngineConfig, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.engine: SchedulerEngine | None = None
+        self.num_protocol_errors = 0
+        self._context = context or zmq.Context()
+        self._owns_context = context is None
+        self._stopping = False
+        self._parent_pid = os.getppid()
+        self._last_sent_s = 0.0  # time.monotonic() of the last message to the frontend
+        self._sockets: list[zmq.Socket] = []
+        self._control: zmq.Socket | None = None  # set with the others by _open_sockets
+        self._outputs: zmq.Socket | None = None
+
+    def request_stop(self) -> None:
+        """Ask the loop to finish; safe to call from a signal handler or another thread."""
+        self._stopping = True
+
+    def run(self) -> int:
+        """Serve until stopped; the process exit code (non-zero when start-up failed)."""
+        try:
+            self._open_sockets()
+        except zmq.ZMQError as exc:
+            self._fail(f"cannot open the scheduler's sockets in {self.config.runtime_dir!r}: {exc}")
+            self._close()
+            return 1
+        try:
+            num_kv_blocks = self._await_workers()
+            if num_kv_blocks is None:
+                return 0 if self._should_exit() else 1
+            self.engine = SchedulerEngine(self.config, num_kv_blocks)
+            sockets.send(self._control, ProcessReady("scheduler", os.getpid(), f"{num_kv_blocks} KV blocks"))
+            logger.info("scheduler ready: %d KV blocks of %d tokens, %s scheduling", num_kv_blocks,
+                        self.config.block_size, self.config.scheduling)
+            self._serve()
+            return 0
+        except Exception as exc:
+            logger.exception("scheduler loop crashed")
+            self._fail_unfinished(f"the scheduler crashed: {exc!r}")
+            self._fail(f"scheduler loop crashed: {exc!r}")
+            return 2
+        finally:
+            self._close()
+
+    def _open_sockets(self) -> None:
+        ctx, run_dir = self._context, self.config.runtime_dir
+        self._control = self._track(sockets.connect(ctx, zmq.PUSH, run_dir, sockets.CONTROL))
+        self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS))
+        self._outputs = self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.OUTPUTS))
+        self._plans = [self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.plan_channel(rank)))
+                       for rank in range(self.config.tensor_parallel_size)]
+        self._results = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.RESULTS))
+
+    def _track(self, sock: zmq.Socket) -> zmq.Socket:
+        self._sockets.append(sock)
+        return sock
+
+    def _close(self) -> None:
+        for sock in self._sockets:
+            # Final outputs and ProcessFailed may still be queued: let them leave.
+            keep = sock is self._control or sock is self._outputs
+            sock.close(linger=FINAL_MESSAGE_LINGER_MS if keep else 0)
+        self._sockets.clear()
+        if self._owns_context:
+            self._context.term()
+
+    def _fail_unfinished(self, message: str) -> None:
+        """Best effort after a crash: give the frontend every request's terminal output."""
+        try:
+            if self.engine is not None:
+                self._send_outputs(self.engine.finish_all(message), wait=False)
+        except Exception:  # the engine may be what broke; the supervisor still sees us exit
+            logger.exception("could not fail the unfinished requests")
+
+    def _should_exit(self) -> bool:
+        return self._stopping or os.getppid() != self._parent_pid
+
+    def _fail(self, message: str) -> None:
+        """Log and tell the supervisor (when the control socket got as far as opening)."""
+        logger.error("%s", message)
+        if self._control is None:
+            return
+        try:
+            sockets.send(self._control, ProcessFailed("scheduler", os.getpid(), message))
+        except zmq.ZMQError:
+            logger.exception("could not report the failure to the supervisor")
+
+    def _await_workers(self) -> int | None:
+        """min over ranks of the reported KV blocks, or None (ProcessFailed sent) on timeout."""
+        num_ranks, timeout_s = self.config.tensor_parallel_size, self.config.ready_timeout_s
+        deadline = time.monotonic() + timeout_s
+        blocks_by_rank: dict[int, int] = {}
+        while len(blocks_by_rank) < num_ranks and not self._should_exit():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            message = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)))
+            if isinstance(message, WorkerReady) and 0 <= message.rank < num_ranks:
+                logger.info("worker rank %d (pid %d) ready with %d KV blocks", message.rank,
+                            message.pid, message.num_kv_blocks)
+                blocks_by_rank[message.rank] = message.num_kv_blocks
+            elif message is not None:
+                self._count_bad(f"unexpected {message!r:.120} while waiting for workers")
+        if self._should_exit():
+            return None
+        missing = [rank for rank in range(num_ranks) if rank not in blocks_by_rank]
+        if missing:
+            self._fail(f"worker ranks {missing} did not report ready within {timeout_s} s")
+            return None
+        num_kv_blocks = min(blocks_by_rank.values())
+        if num_kv_blocks < 1:
+            self._fail(f"workers reported {blocks_by_rank} KV blocks by rank; need at least 1")
+            return None
+        return num_kv_blocks
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while not self._should_exit():
+            self._drain_requests()
+            pending = engine.drain_outputs()
+            if pending is not None:
+                self._send_outputs(pending)
+            plan = engine.schedule()
+            if plan is None:
+                self._idle_wait()
+                continue
+            outputs = self._run_step(plan)
+            if outputs.num_outputs or self._heartbeat_due():
+                self._send_outputs(outputs)
+        final = engine.finish_all("the scheduler is shutting down")
+        if final.num_outputs:
+            self._send_outputs(final, wait=False)
+
+    def _drain_requests(self) -> None:
+        for _ in range(MAX_FRAMES_PER_DRAIN):
+            try:
+                frame = self._requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = self._decode(frame)
+            if isinstance(message, AddRequest):
+                self.engine.add(message)
+            elif isinstance(message, AbortRequest):
+                self.engine.abort(message.request_ids)
+            elif message is not None:
+                self._count_bad(f"unexpected {type(message).__name__} on the requests channel")
+
+    def _idle_wait(self) -> None:
+        """Block on the requests socket (no busy waiting); heartbeat about once a second."""
+        if self._heartbeat_due():
+            self._send_outputs(self.engine.heartbeat(), wait=False)
+        self._requests.poll(int(POLL_SLICE_S * 1000), zmq.POLLIN)
+
+    def _heartbeat_due(self) -> bool:
+        return time.monotonic() - self._last_sent_s >= HEARTBEAT_INTERVAL_S
+
+    def _run_step(self, plan: StepPlan) -> StepOutputs:
+        frame = codec.encode(plan)  # encoded once, the same bytes to every rank
+        deadline = time.monotonic() + self.config.step_timeout_s
+        for rank, sock in enumerate(self._plans):
+            if not self._send_frame(sock, frame, deadline):
+                return self._lost_step(f"worker rank {rank} did not take the plan of step {plan.step_id}")
+        result = self._await_result(plan.step_id, deadline)
+        if result is None:
+            return self._lost_step(f"worker rank 0 did not answer step {plan.step_id}")
+        return self.engine.apply_result(result)
+
+    def _lost_step(self, what: str) -> StepOutputs:
+        if self._should_exit():
+            return self.engine.fail_running("the scheduler is shutting down")
+        message = f"{what} within {self.config.step_timeout_s} s"
+        logger.error("%s; failing the running requests", message)
+        return self.engine.fail_running(message)
+
+    def _await_result(self, step_id: int, deadline: float) -> StepResult | None:
+        poller = zmq.Poller()
+        poller.register(self._results, zmq.POLLIN)
+        while not self._should_exit():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return None
+            if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
+                continue
+            message = self._decode(self._results.recv())
+            if isinstance(message, StepResult) and message.step_id == step_id:
+                return message
+            if isinstance(message, StepResult):
+                self._count_bad(f"discarded a result for step {message.step_id} while waiting for {step_id}")
+            elif message is not None:
+                self._count_bad(f"unexpected {message!r:.120} on the results channel")
+        return None
+
+    def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
+        """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
+        deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
+        if self._send_frame(self._outputs, codec.encode(outputs), deadline):
+            self._last_sent_s = time.monotonic()
+        elif outputs.num_outputs:
+            logger.error("the frontend did not take outputs for %s; they are lost", outputs.request_ids)
+
+    def _send_frame(self, sock: zmq.Socket, frame: bytes, deadline: float) -> bool:
+        """Send without blocking past `deadline` or past a stop request; False if not sent."""
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0 or self._should_exit():
+                    return False
+                sock.poll(int(min(remaining_s, POLL_SLICE_S) * 1000), zmq.POLLOUT)
+
+    def _decode(self, frame: bytes | None) -> object | None:
+        if frame is None:
+            return None
+        try:
+            return codec.decode(frame)
+        except ProtocolError as exc:
+            self._count_bad(f"dropped a malformed frame: {exc}")
+            return None
+
+    def _count_bad(self, what: str) -> None:
+        self.num_protocol_errors += 1
+        logger.warning("%s (%d protocol errors so far)", what, self.num_protocol_errors)

@@ -1,0 +1,64 @@
+"""ZmqEngineClient over real ipc sockets against a fake scheduler thread."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from frontend.engine_client import EngineDelta, ZmqEngineClient
+from proto.messages import AbortRequest, AddRequest
+from proto.sampling import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+
+async def collect(stream) -> list[EngineDelta]:
+    return [delta async for delta in stream]
+
+
+async def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def engine_client(runtime_dir):
+    client = ZmqEngineClient(runtime_dir, alive_timeout_s=0.2, dead_after_s=0.5)
+    await client.start()
+    yield client
+    await client.close()
+
+
+async def test_generate_round_trips_through_a_scheduler(fake_scheduler, engine_client):
+    await wait_until(engine_client.is_alive)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    stream = engine_client.generate("cmpl-1", [5, 6, 7], params)
+    deltas = await asyncio.wait_for(collect(stream), 5)
+    assert deltas == [EngineDelta([8]), EngineDelta([9], "length")]
+    added = fake_scheduler.received[0]
+    assert isinstance(added, AddRequest) and added.request_id == "cmpl-1"
+    assert added.prompt_token_ids.tolist() == [5, 6, 7] and added.sampling_params == params
+    assert engine_client.num_protocol_errors == 1  # the scheduler's garbage frame, survived
+    assert engine_client.latest_stats is not None and engine_client.num_in_flight == 0
+
+
+async def test_abort_reaches_the_scheduler_and_ends_the_stream(fake_scheduler, engine_client):
+    stream = engine_client.generate("cmpl-held", [0, 1], SamplingParams())
+    pending = asyncio.ensure_future(stream.__anext__())
+    await wait_until(lambda: fake_scheduler.received)
+    engine_client.abort("cmpl-held")
+    assert await asyncio.wait_for(pending, 5) == EngineDelta([], "abort")
+    await wait_until(lambda: len(fake_scheduler.received) == 2)
+    assert fake_scheduler.received[1] == AbortRequest(["cmpl-held"])
+
+
+async def test_requests_fail_when_the_scheduler_goes_silent(fake_scheduler, engine_client):
+    fake_scheduler.heartbeats = False
+    stream = engine_client.generate("cmpl-lost", [0], SamplingParams())
+    deltas = await asyncio.wait_for(collect(stream), 5)
+    assert deltas[-1].finish_reason == "error"
+    assert "sent nothing" in deltas[-1].error_message
+    assert not engine_client.is_alive()

@@ -1,0 +1,238 @@
+"""The real scheduler loop over real ZMQ ipc sockets, against a fake worker and a fake frontend."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import zmq
+
+from proto import codec, sockets
+from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
+                            StepResult, WorkerReady)
+from proto.sampling import SamplingParams
+from scheduler_fakes import TEST_CONFIG, FakeWorker, OutputLog
+from scheduler_proc.loop import SchedulerLoop
+
+NUM_BLOCKS = 64
+
+
+class WorkerThread:
+    """A rank that connects like a real worker, reports ready, and answers plans with FakeWorker."""
+
+    def __init__(self, context: zmq.Context, runtime_dir: str, rank: int = 0, answers: bool = True) -> None:
+        self.fake = FakeWorker(NUM_BLOCKS, TEST_CONFIG.block_size)
+        self.plans = sockets.connect(context, zmq.PULL, runtime_dir, sockets.plan_channel(rank))
+        self.results = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.RESULTS)
+        self.rank, self.answers = rank, answers
+        self.noise_before_next_result = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sockets.send(self.results, WorkerReady(self.rank, NUM_BLOCKS, os.getpid()))
+        while not self._stop.is_set():
+            frame = sockets.recv_ready(self.plans, 0.05)
+            if frame is None or not self.answers:
+                continue
+            result = self.fake(codec.decode(frame))
+            if self.noise_before_next_result:
+                self.noise_before_next_result = False
+                self.results.send(b"\xc1 not msgpack")
+                sockets.send(self.results, StepResult(result.step_id + 1000, np.empty(0, np.int32), ""))
+            sockets.send(self.results, result)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.plans.close()
+        self.results.close()
+
+
+class Frontend:
+    """Sends requests and collects outputs, checking each request ends exactly once."""
+
+    def __init__(self, context: zmq.Context, runtime_dir: str, worker: WorkerThread | None) -> None:
+        self.requests = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.REQUESTS)
+        self.outputs = sockets.connect(context, zmq.PULL, runtime_dir, sockets.OUTPUTS)
+        self.log = OutputLog()
+        self.worker = worker
+
+    def add(self, request_id: str, num_prompt: int, max_tokens: int) -> None:
+        prompt = (100 + np.arange(num_prompt)).astype(np.int32)
+        if self.worker is not None:
+            self.worker.fake.expect(request_id, prompt.tolist())
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        sockets.send(self.requests, AddRequest(request_id, prompt, params, time.time()))
+
+    def receive(self, timeout_s: float = 5.0) -> StepOutputs:
+        frame = sockets.recv_ready(self.outputs, timeout_s)
+        assert frame is not None, f"no output within {timeout_s} s"
+        outputs = codec.decode(frame)
+        self.log.record(outputs)
+        return outputs
+
+    def wait_finished(self, *request_ids: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not set(request_ids) <= set(self.log.finish_reasons):
+            self.receive(max(deadline - time.monotonic(), 0.01))
+
+    def close(self) -> None:
+        self.requests.close()
+        self.outputs.close()
+
+
+@contextmanager
+def running_loop(answers: bool = True, **config_changes: object) -> Iterator[tuple[SchedulerLoop, Frontend, zmq.Socket]]:
+    """A SchedulerLoop in a thread with one fake worker rank, a fake frontend and the control socket."""
+    runtime_dir = sockets.make_runtime_dir()
+    context = zmq.Context()
+    control = sockets.bind(context, zmq.PULL, runtime_dir, sockets.CONTROL)
+    config = TEST_CONFIG.with_updates(runtime_dir=runtime_dir, **config_changes)
+    loop = SchedulerLoop(config)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    worker = WorkerThread(context, runtime_dir, answers=answers)
+    frontend = Frontend(context, runtime_dir, worker)
+    try:
+        yield loop, frontend, control
+    finally:
+        loop.request_stop()
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the loop did not stop"
+        for closable in (frontend, worker, control):
+            closable.close()
+        context.term()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_loop_serves_two_requests_and_survives_garbage_frames() -> None:
+    with running_loop() as (loop, frontend, control):
+        ready = codec.decode(sockets.recv_ready(control, 5.0))
+        assert isinstance(ready, ProcessReady) and ready.detail == f"{NUM_BLOCKS} KV blocks"
+        frontend.add("a", 6, max_tokens=4)
+        frontend.add("b", 3, max_tokens=2)
+        frontend.wait_finished("a", "b")
+        assert len(frontend.log.tokens["a"]) == 4 and frontend.log.finish_reasons["b"] == "length"
+        frontend.requests.send(b"\x93garbage")
+        frontend.worker.noise_before_next_result = True
+        frontend.add("c", 2, max_tokens=2)
+        frontend.wait_finished("c")
+        assert loop.num_protocol_errors == 3  # garbage request, garbage result, stale result
+        assert frontend.log.tokens["c"] == frontend.worker.fake.sequences["c"][2:]
+
+
+def test_idle_loop_sends_heartbeats_with_stats() -> None:
+    with running_loop() as (_, frontend, _control):
+        beat = frontend.receive(timeout_s=3.0)
+        assert beat.step_id == -1 and beat.num_outputs == 0 and beat.num_running == 0
+
+
+def test_abort_over_the_wire_ends_a_waiting_request() -> None:
+    with running_loop(max_num_seqs=1) as (_, frontend, _control):
+        frontend.add("long", 4, max_tokens=200)
+        frontend.add("queued", 4, max_tokens=2)
+        sockets.send(frontend.requests, AbortRequest(["queued", "long"]))
+        frontend.wait_finished("long", "queued")
+        assert frontend.log.finish_reasons == {"long": "abort", "queued": "abort"}
+
+
+def test_a_worker_that_does_not_answer_fails_the_running_requests_not_the_loop() -> None:
+    with running_loop(answers=False, step_timeout_s=0.3) as (loop, frontend, _control):
+        frontend.add("a", 4, max_tokens=3)
+        frontend.wait_finished("a")
+        assert frontend.log.finish_reasons["a"] == "error"
+        assert "worker rank 0 did not answer" in frontend.log.error_messages["a"]
+        assert loop.engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_missing_worker_ranks_are_named_in_process_failed() -> None:
+    runtime_dir = sockets.make_runtime_dir()
+    context = zmq.Context()
+    control = sockets.bind(context, zmq.PULL, runtime_dir, sockets.CONTROL)
+    try:
+        loop = SchedulerLoop(TEST_CONFIG.with_updates(runtime_dir=runtime_dir, tensor_parallel_size=2,
+                                                      ready_timeout_s=0.5))
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(loop.run()), daemon=True)
+        thread.start()
+        worker = WorkerThread(context, runtime_dir, rank=0)
+        thread.join(timeout=5)
+        failed = codec.decode(sockets.recv_ready(control, 2.0))
+        assert result == [1]
+        assert isinstance(failed, ProcessFailed) and "[1]" in failed.message and "0.5 s" in failed.message
+        worker.close()
+    finally:
+        control.close()
+        context.term()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc sockets and prctl are Linux-only here")
+def test_scheduler_process_starts_serves_and_exits_on_sigterm() -> None:
+    runtime_dir = sockets.make_runtime_dir()
+    context = zmq.Context()
+    control = sockets.bind(context, zmq.PULL, runtime_dir, sockets.CONTROL)
+    config = TEST_CONFIG.with_updates(runtime_dir=runtime_dir, log_level="warning")
+    process = subprocess.Popen([sys.executable, "-m", "scheduler_proc", "--config", config.to_json()])
+    worker = WorkerThread(context, runtime_dir)
+    frontend = Frontend(context, runtime_dir, worker)
+    try:
+        ready = codec.decode(sockets.recv_ready(control, 10.0))
+        assert isinstance(ready, ProcessReady) and ready.pid == process.pid
+        frontend.add("a", 5, max_tokens=3)
+        frontend.wait_finished("a")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for closable in (frontend, worker, control):
+            closable.close()
+        context.term()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"  # a zombie left for init to reap
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_scheduler_process_exits_when_its_parent_dies() -> None:
+    runtime_dir = sockets.make_runtime_dir()
+    config = TEST_CONFIG.with_updates(runtime_dir=runtime_dir, log_level="warning")
+    parent_code = ("import subprocess, sys, time; "
+                   "p = subprocess.Popen([sys.executable, '-m', 'scheduler_proc', '--config', sys.argv[1]]); "
+                   "print(p.pid, flush=True); time.sleep(0.5)")
+    scheduler_pid = 0
+    try:
+        parent = subprocess.run([sys.executable, "-c", parent_code, config.to_json()], capture_output=True,
+                                text=True, timeout=10)
+        scheduler_pid = int(parent.stdout.split()[0])
+        deadline = time.monotonic() + 5
+        while not _is_gone(scheduler_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _is_gone(scheduler_pid), "the scheduler outlived its parent"
+    finally:
+        if scheduler_pid and not _is_gone(scheduler_pid):
+            os.kill(scheduler_pid, signal.SIGKILL)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_a_runtime_dir_that_cannot_be_bound_fails_start_up_cleanly() -> None:
+    loop = SchedulerLoop(TEST_CONFIG.with_updates(runtime_dir="/nonexistent/conveyor-test"))
+    assert loop.run() == 1

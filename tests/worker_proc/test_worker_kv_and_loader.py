@@ -1,0 +1,130 @@
+"""KV cache sizing and checkpoint loading: tied embeddings, aliases, missing and unknown tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_model
+from safetensors.torch import load_file, save_file
+from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
+
+from proto.config import EngineConfig
+from worker_proc.attention import TorchPagedAttention
+from worker_proc.kv_cache import num_kv_blocks_for
+from worker_proc.loader import load_model
+from worker_proc.model_config import load_model_config, parse_model_config
+from worker_proc.runner import ModelRunner
+
+TINY_BYTES_PER_BLOCK_FP32 = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv heads, dim 16
+
+
+def test_kv_blocks_fill_the_memory_budget_unless_a_count_is_given(tiny_model_dir: Path) -> None:
+    model = load_model_config(tiny_model_dir)
+    budget = EngineConfig(kv_cache_memory_bytes=10 * TINY_BYTES_PER_BLOCK_FP32 + 7, dtype="float32")
+    assert num_kv_blocks_for(budget, model, torch.float32) == 10
+    assert num_kv_blocks_for(budget, model, torch.bfloat16) == 20
+    assert num_kv_blocks_for(budget.with_updates(num_kv_blocks=3), model, torch.float32) == 3
+    with pytest.raises(ValueError, match="holds no KV block"):
+        num_kv_blocks_for(EngineConfig(kv_cache_memory_bytes=100), model, torch.float32)
+
+
+def test_runner_allocates_and_reports_the_configured_cache(tiny_model_dir: Path) -> None:
+    runner = ModelRunner(tiny_engine_config(tiny_model_dir, num_kv_blocks=0, block_size=16,
+                                            kv_cache_memory_bytes=5 * TINY_BYTES_PER_BLOCK_FP32),
+                         rank=0, show_progress=False)
+    assert runner.num_kv_blocks == 5
+    assert runner.kv_cache.k_blocks[0].shape == (5, 16, 2, 16)
+    assert len(runner.kv_cache.v_blocks) == 2
+
+
+def test_tied_checkpoint_uses_the_embedding_as_lm_head(tmp_path: Path) -> None:
+    model_dir = build_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(str(model_dir / "model.safetensors"))
+    model = load_model(model_dir, "float32", TorchPagedAttention(), show_progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_checkpoint_without_lm_head_is_tied_even_if_config_says_untied(tmp_path: Path,
+                                                                       tiny_model_dir: Path) -> None:
+    model_dir = _copy(tiny_model_dir, tmp_path / "no-head")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(model_dir, "float32", TorchPagedAttention(), show_progress=False)
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+
+
+def test_safetensors_shared_tensor_alias_resolves_to_the_kept_tensor(tmp_path: Path,
+                                                                     tiny_model_dir: Path) -> None:
+    model_dir = _copy(tiny_model_dir, tmp_path / "alias")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    del tensors["lm_head.weight"]  # what safetensors.save_model does to a shared tensor
+    save_file(tensors, str(model_dir / "model.safetensors"),
+              metadata={"format": "pt", "lm_head.weight": "model.embed_tokens.weight"})
+    model = load_model(model_dir, "float32", TorchPagedAttention(), show_progress=False)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # config says untied
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model_dir = _copy(tiny_model_dir, tmp_path / "sharded")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for part, chunk in enumerate([names[::2], names[1::2]]):
+        filename = f"model-{part + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in chunk}, str(model_dir / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, filename))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = load_model(model_dir, "float32", TorchPagedAttention(), show_progress=False)
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    expected = torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, expected)
+
+
+def test_missing_or_unknown_tensors_fail_loudly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model_dir = _copy(tiny_model_dir, tmp_path / "broken")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"gate_up_proj.weight\[1\]"):
+        load_model(model_dir, "float32", TorchPagedAttention(), show_progress=False)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(128, 64)
+    tensors["model.layers.0.mystery.weight"] = torch.zeros(2)
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="mystery"):
+        load_model(model_dir, "float32", TorchPagedAttention(), show_progress=False)
+
+
+def test_bfloat16_weights_and_cache_are_used_when_asked(tiny_model_dir: Path) -> None:
+    runner = ModelRunner(tiny_engine_config(tiny_model_dir, dtype="bfloat16"), rank=0,
+                         show_progress=False)
+    assert runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert runner.kv_cache.k_blocks[0].dtype == torch.bfloat16
+    seq = Seq("a", [5, 6, 7, 8])
+    tokens = runner.execute(make_plan([seq], [4], BlockPool(64, block_size=4)))
+    assert tokens.dtype == np.int32 and tokens.shape == (1,)
+
+
+def test_config_accepts_old_and_new_rope_formats() -> None:
+    base = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=1, num_attention_heads=4)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    new = parse_model_config({**base, "rope_parameters": {"rope_theta": 5e5, **scaling}})
+    old = parse_model_config({**base, "rope_theta": 5e5, "rope_scaling": scaling})
+    assert (new.rope_theta, new.rope_scaling) == (old.rope_theta, old.rope_scaling) == (5e5, scaling)
+    assert new.head_dim == 16 and new.num_kv_heads == 4
+    with pytest.raises(ValueError, match="model_type"):
+        parse_model_config({**base, "model_type": "gpt2"})
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

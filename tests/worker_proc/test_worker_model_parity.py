@@ -1,0 +1,132 @@
+"""Our paged, ragged forward pass equals Hugging Face's, token for token, in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_model
+from safetensors.torch import load_file, save_file
+from worker_plans import BlockPool, Seq, advance, make_plan, tiny_engine_config
+
+from worker_proc.runner import ModelRunner
+
+ATOL = 1e-4
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=16)
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v bias
+    "qwen3": ("qwen3", {}),  # per-head q/k RMSNorm
+    "tied_llama": ("llama", {"tie_word_embeddings": True}),
+    "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+}
+
+
+def randomize_vectors(model_dir: Path) -> None:
+    """The fixture leaves biases at 0 and norm weights at 1, which would hide a mis-loaded one."""
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if tensor.dim() == 1:
+            tensors[name] = tensor + 0.2 * torch.randn(tensor.shape, generator=generator)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    import transformers
+
+    arch, overrides = VARIANTS[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    randomize_vectors(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model_dir, hf
+
+
+def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0]
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in lengths]
+
+
+def test_mixed_prefill_and_decode_batch_matches_hf_logits(variant: tuple[Path, torch.nn.Module]) -> None:
+    model_dir, hf = variant
+    runner = ModelRunner(tiny_engine_config(model_dir), rank=0, show_progress=False)
+    pool = BlockPool(64, block_size=4)
+    seqs = [Seq(f"r{i}", p) for i, p in enumerate(prompts([7, 13, 1, 21, 6]))]
+    # Step 1: whole prompts, partial chunks and a one-token prompt, in one ragged batch.
+    first = [7, 5, 1, 10, 6]
+    plan = make_plan(seqs, first, pool)
+    expected = [hf_logits(hf, s.token_ids)[:n] for s, n in zip(seqs, first)]
+    torch.testing.assert_close(runner.logits_for_all_tokens(plan), torch.cat(expected),
+                               atol=ATOL, rtol=0)
+    for seq, n in zip(seqs, first):
+        seq.num_computed += n
+    # Step 2: decodes (KV cached from step 1) next to chunks that continue mid-prompt.
+    seqs[0].token_ids.append(5)
+    seqs[2].token_ids.append(9)
+    seqs[4].token_ids.append(11)
+    second = [1, 8, 1, 11, 1]
+    plan = make_plan(seqs, second, pool, step_id=1)
+    expected = [hf_logits(hf, s.token_ids)[s.num_computed:s.num_computed + n]
+                for s, n in zip(seqs, second)]
+    torch.testing.assert_close(runner.logits_for_all_tokens(plan), torch.cat(expected),
+                               atol=ATOL, rtol=0)
+
+
+def test_prompt_chunked_over_three_steps_equals_one_step_prefill(tiny_model_dir: Path) -> None:
+    runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
+    prompt = prompts([23], seed=3)[0]
+    pool = BlockPool(64, block_size=4)
+    whole = Seq("whole", list(prompt))
+    whole_logits = runner.logits_for_all_tokens(make_plan([whole], [23], pool))
+    chunked = Seq("chunked", list(prompt))
+    parts = []
+    for step, n in enumerate([8, 8, 7]):
+        parts.append(runner.logits_for_all_tokens(make_plan([chunked], [n], pool, step)))
+        chunked.num_computed += n
+    torch.testing.assert_close(torch.cat(parts), whole_logits, atol=1e-5, rtol=0)
+
+
+def test_lone_decoding_sequence_matches_hf(tiny_model_dir: Path) -> None:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
+    pool = BlockPool(64, block_size=4)
+    seq = Seq("alone", prompts([6], seed=9)[0])
+    for step in range(4):  # one prefill, then decodes with nothing to pad or mask
+        scheduled = [len(seq.token_ids) - seq.num_computed]
+        plan = make_plan([seq], scheduled, pool, step)
+        logits = runner.logits_for_all_tokens(plan)
+        expected = hf_logits(hf.eval(), seq.token_ids)[seq.num_computed:]
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        seq.num_computed += scheduled[0]
+        seq.token_ids.append(int(logits[-1].argmax()))
+
+
+def test_greedy_decoding_matches_hf_generate_for_20_tokens(variant: tuple[Path, torch.nn.Module]) -> None:
+    model_dir, hf = variant
+    runner = ModelRunner(tiny_engine_config(model_dir), rank=0, show_progress=False)
+    pool = BlockPool(64, block_size=4)
+    starts = prompts([5, 12, 9], seed=5)
+    seqs = [Seq(f"r{i}", list(p)) for i, p in enumerate(starts)]
+    for step in range(20):  # all three decode side by side in one ragged batch
+        scheduled = [len(s.token_ids) - s.num_computed for s in seqs]
+        plan = make_plan(seqs, scheduled, pool, step)
+        advance(seqs, scheduled, plan, runner.execute(plan))
+    hf.generation_config.eos_token_id = None  # compare 20 tokens even if one happens to be EOS
+    for seq, prompt in zip(seqs, starts):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                              pad_token_id=0)
+        assert seq.token_ids == out[0].tolist()

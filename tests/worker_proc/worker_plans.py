@@ -1,0 +1,112 @@
+"""Test helper: builds StepPlans the way the scheduler does (block tables, sampling rows, history)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proto.config import EngineConfig
+from proto.messages import StepPlan
+
+
+@dataclass
+class Seq:
+    """One request as the scheduler sees it: its known tokens, KV blocks and sampling params."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt: int = -1  # -1 = every current token is prompt
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt < 0:
+            self.num_prompt = len(self.token_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+class BlockPool:
+    """Hands out block ids in a scrambled order so tests catch any 'block i holds positions i*bs' bug."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.free = list(np.random.default_rng(7).permutation(num_blocks))
+        self.block_size = block_size
+
+    def reserve(self, seq: Seq, num_tokens: int) -> None:
+        while len(seq.block_ids) * self.block_size < num_tokens:
+            seq.block_ids.append(int(self.free.pop()))
+
+
+def make_plan(seqs: list[Seq], num_scheduled: list[int], pool: BlockPool, step_id: int = 0) -> StepPlan:
+    """Schedule num_scheduled[i] tokens of seqs[i] (from its num_computed on); a member samples when
+    it reaches the end of its known tokens."""
+    input_ids, cu_blocks, block_ids, sample_mask = [], [0], [], []
+    cu_history, history, bias = [0], [], ([], [], [])
+    for row, (seq, n) in enumerate(zip(seqs, num_scheduled)):
+        end = seq.num_computed + n
+        assert end <= len(seq.token_ids), "cannot schedule tokens that are not known yet"
+        pool.reserve(seq, end)
+        input_ids += seq.token_ids[seq.num_computed:end]
+        block_ids += seq.block_ids
+        cu_blocks.append(len(block_ids))
+        sample_mask.append(end == len(seq.token_ids))
+        if seq.has_penalties:
+            history += seq.token_ids
+        cu_history.append(len(history))
+        for token_id, value in seq.logit_bias:
+            bias[0].append(row)
+            bias[1].append(token_id)
+            bias[2].append(value)
+
+    def per_seq(name: str, dtype: type) -> np.ndarray:
+        return np.array([getattr(s, name) for s in seqs], dtype=dtype)
+
+    return StepPlan(
+        step_id=step_id, request_ids=[s.request_id for s in seqs],
+        input_ids=np.array(input_ids, dtype=np.int32),
+        num_computed_tokens=per_seq("num_computed", np.int32),
+        num_scheduled_tokens=np.array(num_scheduled, dtype=np.int32),
+        cu_block_ids=np.array(cu_blocks, dtype=np.int32), block_ids=np.array(block_ids, dtype=np.int32),
+        sample_mask=np.array(sample_mask, dtype=np.bool_),
+        temperature=per_seq("temperature", np.float32), top_p=per_seq("top_p", np.float32),
+        top_k=per_seq("top_k", np.int32), min_p=per_seq("min_p", np.float32),
+        repetition_penalty=per_seq("repetition_penalty", np.float32),
+        presence_penalty=per_seq("presence_penalty", np.float32),
+        frequency_penalty=per_seq("frequency_penalty", np.float32),
+        seeds=per_seq("seed", np.int64),
+        bias_rows=np.array(bias[0], dtype=np.int32), bias_token_ids=np.array(bias[1], dtype=np.int32),
+        bias_values=np.array(bias[2], dtype=np.float32),
+        cu_history=np.array(cu_history, dtype=np.int32),
+        history_token_ids=np.array(history, dtype=np.int32),
+        history_num_prompt=np.array([s.num_prompt if s.has_penalties else 0 for s in seqs],
+                                    dtype=np.int32),
+    )
+
+
+def advance(seqs: list[Seq], num_scheduled: list[int], plan: StepPlan, sampled: np.ndarray) -> None:
+    """Apply a step's outcome: computed tokens move on and sampling members get their new token."""
+    for seq, n in zip(seqs, num_scheduled):
+        seq.num_computed += n
+    for seq, token_id in zip([s for s, m in zip(seqs, plan.sample_mask) if m], sampled.tolist()):
+        seq.token_ids.append(int(token_id))
+
+
+def tiny_engine_config(model_dir: object, **changes: object) -> EngineConfig:
+    """A small fp32 config for the tiny model: few KV blocks, two threads."""
+    base = dict(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=64, num_threads=2)
+    base.update(changes)
+    return EngineConfig(**base)

@@ -1,0 +1,123 @@
+"""Turns a StepPlan into flat model inputs and attention metadata, once per step (numpy, O(tokens))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from proto.messages import StepPlan
+from worker_proc.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampled] last token row of each sampling member
+    sample_members: np.ndarray  # int64 [num_sampled] member index of each sampled row
+    sample_positions: np.ndarray  # int64 [num_sampled] position the sampled token will occupy
+
+    def to(self, device: torch.device) -> StepBatch:
+        """Built on the CPU from numpy; moved once per step when the model lives elsewhere."""
+        if device.type == "cpu":
+            return self
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True),
+                       positions=self.positions.to(device, non_blocking=True),
+                       attn=self.attn.to(device),
+                       logits_indices=self.logits_indices.to(device, non_blocking=True))
+
+
+def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int) -> StepBatch:
+    """Raises ValueError (naming the member) when a block table cannot hold the member's context."""
+    num_scheduled = plan.num_scheduled_tokens.astype(np.int64)
+    num_computed = plan.num_computed_tokens.astype(np.int64)
+    context_lens = num_computed + num_scheduled  # int64 [num_seqs]
+    cu_seqlens_q = np.zeros(plan.num_seqs + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=cu_seqlens_q[1:])
+    num_tokens = int(cu_seqlens_q[-1])
+    member = np.repeat(np.arange(plan.num_seqs), num_scheduled)  # int64 [num_tokens]
+    positions = num_computed[member] + (np.arange(num_tokens) - cu_seqlens_q[member])
+    block_tables = _padded_block_tables(plan, context_lens, block_size, num_kv_blocks)
+    block_index = plan.cu_block_ids[member].astype(np.int64) + positions // block_size
+    slot_mapping = plan.block_ids[block_index].astype(np.int64) * block_size + positions % block_size
+
+    is_decode = num_scheduled == 1
+    decode_members = np.flatnonzero(is_decode)
+    decode_slots, decode_mask = _decode_context(block_tables[decode_members],
+                                                context_lens[decode_members], block_size)
+    prefills = tuple(_prefill_span(block_tables[i], int(cu_seqlens_q[i]), int(num_computed[i]),
+                                   int(context_lens[i]), block_size)
+                     for i in np.flatnonzero(~is_decode))
+    attn = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping),
+        cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
+        context_lens=torch.from_numpy(context_lens.astype(np.int32)),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)),
+        max_seqlen_q=int(num_scheduled.max()),
+        max_context_len=int(context_lens.max()),
+        decode_token_rows=torch.from_numpy(cu_seqlens_q[decode_members]) if prefills else None,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
+    )
+    sample_members = np.flatnonzero(plan.sample_mask)
+    return StepBatch(
+        input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)),
+        positions=torch.from_numpy(positions),
+        attn=attn,
+        logits_indices=torch.from_numpy(cu_seqlens_q[sample_members + 1] - 1),
+        sample_members=sample_members,
+        sample_positions=context_lens[sample_members],
+    )
+
+
+def _padded_block_tables(plan: StepPlan, context_lens: np.ndarray, block_size: int,
+                         num_kv_blocks: int) -> np.ndarray:
+    """int64 [num_seqs, max_blocks]; rows shorter than max_blocks are padded with block 0."""
+    blocks_per_seq = np.diff(plan.cu_block_ids).astype(np.int64)
+    short = np.flatnonzero(blocks_per_seq * block_size < context_lens)
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"member {plan.request_ids[i]!r} has {blocks_per_seq[i]} KV blocks of "
+                         f"{block_size} tokens for a context of {context_lens[i]} tokens")
+    if len(plan.block_ids) and (plan.block_ids.min() < 0 or plan.block_ids.max() >= num_kv_blocks):
+        raise ValueError(f"block ids must be in [0, {num_kv_blocks}), got "
+                         f"[{plan.block_ids.min()}, {plan.block_ids.max()}]")
+    max_blocks = int(blocks_per_seq.max())
+    offsets = np.arange(max_blocks)
+    index = plan.cu_block_ids[:-1, None].astype(np.int64) + offsets
+    valid = offsets < blocks_per_seq[:, None]
+    return np.where(valid, plan.block_ids.astype(np.int64)[np.where(valid, index, 0)], 0)
+
+
+def _decode_context(block_tables: np.ndarray, context_lens: np.ndarray,
+                    block_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Slots of every decode member's context, padded to the longest with the member's last slot
+    (already written, so never garbage) and a mask hiding the padding."""
+    if not len(context_lens):
+        return None, None
+    max_len = int(context_lens.max())
+    offsets = np.arange(max_len)
+    positions = np.minimum(offsets, context_lens[:, None] - 1)  # int64 [num_decodes, max_len]
+    rows = np.arange(len(context_lens))[:, None]
+    blocks = block_tables[rows, positions // block_size]  # int64 [num_decodes, max_len]
+    slots = torch.from_numpy(blocks * block_size + positions % block_size)
+    if int(context_lens.min()) == max_len:
+        return slots, None
+    mask = torch.from_numpy(offsets < context_lens[:, None])[:, None, None, :]
+    return slots, mask
+
+
+def _prefill_span(block_table: np.ndarray, token_start: int, num_computed: int, context_len: int,
+                  block_size: int) -> PrefillSpan:
+    token_end = token_start + context_len - num_computed
+    if num_computed == 0:
+        return PrefillSpan(token_start, token_end, None, None)
+    context = np.arange(context_len)
+    slots = block_table[context // block_size] * block_size + context % block_size
+    query_positions = np.arange(num_computed, context_len)
+    mask = context[None, :] <= query_positions[:, None]  # bool [num_q, context_len]
+    return PrefillSpan(token_start, token_end, torch.from_numpy(slots), torch.from_numpy(mask))

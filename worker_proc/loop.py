@@ -1,0 +1,103 @@
+"""The worker process loop: the only place with sockets. Start-up handshake, then plan -> result."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+import zmq
+
+from proto import codec, sockets
+from proto.config import EngineConfig
+from proto.errors import ProtocolError
+from proto.messages import ProcessFailed, ProcessReady, StepPlan, StepResult, WorkerReady
+from worker_proc.null_runner import NullModelRunner
+from worker_proc.runner import ModelRunner, create_runner
+
+log = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 0.5  # also how often we notice a dead parent or a SIGTERM
+FAREWELL_LINGER_MS = 2000  # let ProcessFailed reach the supervisor before the process exits
+_PR_SET_PDEATHSIG = 1
+
+
+def run_worker(config: EngineConfig, rank: int) -> int:
+    """Returns the process exit code: 0 after a clean stop, 1 when start-up failed."""
+    parent_pid = os.getppid()
+    stop = threading.Event()
+    _exit_with_parent(parent_pid, stop)
+    name = f"worker{rank}"
+    context = zmq.Context()
+    plans = sockets.connect(context, zmq.PULL, config.runtime_dir, sockets.plan_channel(rank))
+    results = sockets.connect(context, zmq.PUSH, config.runtime_dir, sockets.RESULTS)
+    control = sockets.connect(context, zmq.PUSH, config.runtime_dir, sockets.CONTROL)
+    control.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
+    try:
+        log.info("%s starting: model %s", name, config.model or "(null model)")
+        runner = create_runner(config, rank)
+    except Exception as exc:  # any start-up failure must reach the supervisor, not just stderr
+        log.exception("%s failed to start", name)
+        message = f"{name} failed to start with model {config.model!r}: {type(exc).__name__}: {exc}"
+        sockets.send(control, ProcessFailed(name=name, pid=os.getpid(), message=message))
+        context.destroy(linger=FAREWELL_LINGER_MS)
+        return 1
+    sockets.send(results, WorkerReady(rank=rank, num_kv_blocks=runner.num_kv_blocks, pid=os.getpid()))
+    detail = f"model={config.model} num_kv_blocks={runner.num_kv_blocks}"
+    sockets.send(control, ProcessReady(name=name, pid=os.getpid(), detail=detail))
+    try:
+        serve(runner, plans, results, rank, stop, parent_pid)
+    finally:
+        context.destroy(linger=0)
+    log.info("%s stopped", name)
+    return 0
+
+
+def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq.Socket, rank: int,
+          stop: threading.Event, parent_pid: int) -> None:
+    """Execute plans until SIGTERM or the parent dies; bad frames and failed steps never end it."""
+    num_protocol_errors = 0
+    while not stop.is_set():
+        frame = sockets.recv_ready(plans, POLL_TIMEOUT_S)
+        if frame is None:
+            if os.getppid() != parent_pid:
+                log.warning("parent %d is gone: exiting", parent_pid)
+                return
+            continue
+        try:
+            plan = codec.decode(frame)
+            if not isinstance(plan, StepPlan):
+                raise ProtocolError(f"expected a StepPlan, got {type(plan).__name__}")
+        except ProtocolError as exc:
+            num_protocol_errors += 1
+            log.error("dropped a bad frame (%d so far): %s", num_protocol_errors, exc)
+            continue
+        result = execute_step(runner, plan)
+        if rank == 0:
+            sockets.send(results, result)
+
+
+def execute_step(runner: ModelRunner | NullModelRunner, plan: StepPlan) -> StepResult:
+    """A failed step becomes an error result, so the scheduler fails its requests instead of hanging."""
+    try:
+        tokens = runner.execute(plan)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, error="")
+    except Exception as exc:
+        log.exception("step %d failed", plan.step_id)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=np.empty(0, dtype=np.int32),
+                          error=f"worker step {plan.step_id} failed: {type(exc).__name__}: {exc}")
+
+
+def _exit_with_parent(parent_pid: int, stop: threading.Event) -> None:
+    """SIGTERM (ours, or the kernel's when the parent dies) sets `stop`; the loop sees it on poll."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        stop.set()

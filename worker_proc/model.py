@@ -1,0 +1,141 @@
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over flattened ragged tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_proc.attention import AttentionBackend, AttentionMetadata
+from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker_proc.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from worker_proc.layers.norm import RMSNorm
+from worker_proc.layers.rotary import RotaryEmbedding, apply_rotary
+from worker_proc.model_config import ModelConfig
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [num_slots, kv_heads, head_dim]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
+                                          config.num_kv_heads, bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
+                                        bias=config.o_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.backend = backend
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads,
+                                         self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, signed_sin), apply_rotary(k, cos, signed_sin)
+        else:  # q and k sit side by side in qkv: rotate both head groups with one call
+            qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, signed_sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads * dim]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                signed_sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, cos, signed_sin, meta, kv_cache)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Our parameter names equal HF's except the fused projections, listed in PACKED_MODULES."""
+
+    # HF projection name -> (our fused projection, shard id inside it)
+    PACKED_MODULES = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        if config.tie_word_embeddings:
+            self.tie_lm_head()
+
+    def tie_lm_head(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every matmul weight for oneDNN (CPU only, after loading; see layers.linear)."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.pack_for_cpu()
+        self.lm_head.pack_for_cpu(keep_weight=self.lm_head.weight is self.model.embed_tokens.weight)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCaches) -> torch.Tensor:
+        """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, signed_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, signed_sin, meta, kv_cache)
+        hidden, _ = self.model.norm.add_forward(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> float32 [num_rows, vocab_size]; call it only for sampled rows."""
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,72 @@
+"""NullModelRunner: answers a StepPlan without a model, to measure pure scheduler + IPC overhead."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from proto.config import EngineConfig
+from proto.messages import StepPlan
+from worker_proc.kv_cache import num_kv_blocks_for
+from worker_proc.model_config import DTYPES, parse_model_config
+
+log = logging.getLogger(__name__)
+
+# When neither num_kv_blocks nor a model config.json is given, size blocks as for a Llama-3-8B-like
+# model (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes) so the block count stays realistic.
+_NOMINAL_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
+
+class NullModelRunner:
+    """No weights, no KV tensors. Tokens are a hash of (seed, position), never an EOS id, so a
+    request runs to max_tokens and every run of the same plans gives the same tokens."""
+
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        raw = _read_model_config(config.model)
+        self.vocab_size = config.vocab_size or int(raw.get("vocab_size", 0))
+        if self.vocab_size < 2:
+            raise ValueError(f"null_model needs vocab_size >= 2 (config or {config.model!r}/config.json), "
+                             f"got {self.vocab_size}")
+        self.eos_token_ids = np.array(sorted(set(config.eos_token_ids)), dtype=np.int64)
+        self.num_kv_blocks = config.num_kv_blocks or _derived_num_blocks(config, raw)
+        log.info("rank %d null model: vocab %d, %d KV blocks (none allocated)", rank,
+                 self.vocab_size, self.num_kv_blocks)
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        """int32 [num_sampled]: one token per sample_mask member, in batch order."""
+        members = np.flatnonzero(plan.sample_mask)
+        positions = (plan.num_computed_tokens[members].astype(np.uint64)
+                     + plan.num_scheduled_tokens[members].astype(np.uint64))
+        tokens = (_mix(plan.seeds[members].view(np.uint64), positions) % np.uint64(self.vocab_size))
+        tokens = tokens.astype(np.int64)
+        for _ in range(len(self.eos_token_ids)):  # each pass moves off at most one more EOS id
+            is_eos = np.isin(tokens, self.eos_token_ids)
+            if not is_eos.any():
+                break
+            tokens = np.where(is_eos, (tokens + 1) % self.vocab_size, tokens)
+        return tokens.astype(np.int32)
+
+
+def _mix(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Vectorised splitmix64 of (seed, position); uint64 arrays wrap silently, as the hash wants."""
+    x = seeds * np.uint64(0x9E3779B97F4A7C15) + positions * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _read_model_config(model_dir: str) -> dict:
+    path = Path(model_dir) / "config.json" if model_dir else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
+
+
+def _derived_num_blocks(config: EngineConfig, raw: dict) -> int:
+    """What the real worker would report when config.json is known, else a nominal count."""
+    if raw:
+        return num_kv_blocks_for(config, parse_model_config(raw), DTYPES[config.dtype])
+    return max(1, config.kv_cache_memory_bytes // (config.block_size * _NOMINAL_KV_BYTES_PER_TOKEN))
