@@ -88,15 +88,41 @@ def _check_shapes(message: object) -> None:
     if isinstance(message, messages.StepPlan):
         _check_plan(message)
     elif isinstance(message, messages.StepOutputs):
-        n = message.num_outputs
-        _need(len(message.finish_reasons) == n and len(message.error_messages) == n,
-              "StepOutputs lists must all have one entry per request")
-        _check_offsets("StepOutputs.cu_new_tokens", message.cu_new_tokens, n, len(message.new_token_ids))
-        bad = set(message.finish_reasons) - set(messages.FINISH_REASONS)
-        _need(not bad, f"StepOutputs has unknown finish reasons {sorted(bad)}")
+        _check_outputs(message)
+    elif isinstance(message, messages.StepResult):
+        _check_logprobs("StepResult", message, None)
     elif isinstance(message, messages.AddRequest):
         _need(len(message.prompt_token_ids) > 0, "AddRequest.prompt_token_ids is empty")
         _need(bool((message.prompt_token_ids >= 0).all()), "AddRequest has negative token ids")
+
+
+def _check_outputs(message: messages.StepOutputs) -> None:
+    n = message.num_outputs
+    _need(len(message.finish_reasons) == n and len(message.error_messages) == n,
+          "StepOutputs lists must all have one entry per request")
+    _check_offsets("StepOutputs.cu_new_tokens", message.cu_new_tokens, n, len(message.new_token_ids))
+    bad = set(message.finish_reasons) - set(messages.FINISH_REASONS)
+    _need(not bad, f"StepOutputs has unknown finish reasons {sorted(bad)}")
+    for name in ("choice_indices", "num_cached_tokens"):
+        _need(len(getattr(message, name)) in (0, n), f"StepOutputs.{name} needs 0 or {n} entries")
+    num_events = len(message.event_request_ids)
+    _need(len(message.event_choice_indices) == num_events and len(message.event_kinds) == num_events
+          and len(message.event_times_s) == num_events, "StepOutputs event arrays differ in length")
+    _need(num_events == 0 or int(message.event_kinds.max()) < len(messages.EVENT_KINDS),
+          "StepOutputs has an unknown event kind")
+    _check_logprobs("StepOutputs", message, n)
+
+
+def _check_logprobs(where: str, message: object, num_rows: int | None) -> None:
+    num_entries = len(message.lp_rows)
+    for name in ("lp_positions", "lp_token_ids", "lp_logprobs"):
+        _need(len(getattr(message, name)) == num_entries, f"{where}.{name} needs {num_entries} entries")
+    _check_offsets(f"{where}.lp_cu_top", message.lp_cu_top, num_entries, len(message.lp_top_token_ids))
+    _need(len(message.lp_top_logprobs) == len(message.lp_top_token_ids),
+          f"{where} top logprob arrays differ in length")
+    if num_rows is not None and num_entries:
+        _need(0 <= int(message.lp_rows.min()) and int(message.lp_rows.max()) < num_rows,
+              f"{where}.lp_rows out of range")
 
 
 def _check_plan(plan: messages.StepPlan) -> None:
@@ -105,6 +131,8 @@ def _check_plan(plan: messages.StepPlan) -> None:
                  "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seeds", "history_num_prompt"):
         _need(len(getattr(plan, name)) == n, f"StepPlan.{name} needs {n} entries")
+    for name in ("num_logprobs", "num_prompt_logprobs"):
+        _need(len(getattr(plan, name)) in (0, n), f"StepPlan.{name} needs 0 or {n} entries")
     _need(bool((plan.num_scheduled_tokens >= 1).all()), "StepPlan schedules a member with no tokens")
     _need(bool((plan.num_computed_tokens >= 0).all()), "StepPlan has negative num_computed_tokens")
     _need(int(plan.num_scheduled_tokens.sum()) == len(plan.input_ids),

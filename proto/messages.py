@@ -10,13 +10,38 @@ Channels (one writer role, one reader role each):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from proto.sampling import SamplingParams
 
 FINISH_REASONS = ("", "stop", "length", "abort", "error")
+
+# Request lifecycle events that ride with StepOutputs (scheduler wall clock), for metrics.
+EVENT_QUEUED, EVENT_SCHEDULED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_FINISHED = range(5)
+EVENT_KINDS = ("queued", "scheduled", "first_token", "preempted", "finished")
+
+
+def _i32() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
+def _f32() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
+
+
+def _f64() -> np.ndarray:
+    return np.zeros(0, dtype=np.float64)
+
+
+def _u8() -> np.ndarray:
+    return np.zeros(0, dtype=np.uint8)
+
+
+_LOGPROB_DTYPES = {"lp_rows": np.int32, "lp_positions": np.int32, "lp_token_ids": np.int32,
+                   "lp_logprobs": np.float32, "lp_cu_top": np.int32, "lp_top_token_ids": np.int32,
+                   "lp_top_logprobs": np.float32}
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,8 @@ class StepPlan:
     cu_history: np.ndarray  # int32 [num_seqs + 1]
     history_token_ids: np.ndarray  # int32 [total_history]
     history_num_prompt: np.ndarray  # int32 [num_seqs] how many leading history tokens are prompt
+    num_logprobs: np.ndarray = field(default_factory=_i32)  # int32 [num_seqs] top-k of sampled; -1 none
+    num_prompt_logprobs: np.ndarray = field(default_factory=_i32)  # int32 [num_seqs]; -1 none
 
     ARRAY_DTYPES = {
         "input_ids": np.int32, "num_computed_tokens": np.int32, "num_scheduled_tokens": np.int32,
@@ -76,6 +103,7 @@ class StepPlan:
         "frequency_penalty": np.float32, "seeds": np.int64, "bias_rows": np.int32,
         "bias_token_ids": np.int32, "bias_values": np.float32, "cu_history": np.int32,
         "history_token_ids": np.int32, "history_num_prompt": np.int32,
+        "num_logprobs": np.int32, "num_prompt_logprobs": np.int32,
     }
 
     @property
@@ -85,13 +113,26 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Rank 0's answer: one token per member with sample_mask set, in batch order."""
+    """Rank 0's answer: one token per member with sample_mask set, in batch order.
+
+    Logprob entries (only for members that asked): entry e is the log-probability of token
+    lp_token_ids[e] at sequence position lp_positions[e] of member lp_rows[e], with its top
+    alternatives in lp_top_*[lp_cu_top[e]:lp_cu_top[e+1]]. Sampled tokens and prompt tokens
+    (prompt_logprobs) use the same format; a position below the prompt length is a prompt token.
+    """
 
     step_id: int
     sampled_token_ids: np.ndarray  # int32 [num_sampled]
     error: str  # "" on success; a worker-side failure fails the step's requests, not the loop
+    lp_rows: np.ndarray = field(default_factory=_i32)  # int32 [num_entries]
+    lp_positions: np.ndarray = field(default_factory=_i32)  # int32 [num_entries]
+    lp_token_ids: np.ndarray = field(default_factory=_i32)  # int32 [num_entries]
+    lp_logprobs: np.ndarray = field(default_factory=_f32)  # float32 [num_entries]
+    lp_cu_top: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))  # int32 [E + 1]
+    lp_top_token_ids: np.ndarray = field(default_factory=_i32)  # int32 [total_top]
+    lp_top_logprobs: np.ndarray = field(default_factory=_f32)  # float32 [total_top]
 
-    ARRAY_DTYPES = {"sampled_token_ids": np.int32}
+    ARRAY_DTYPES = {"sampled_token_ids": np.int32, **_LOGPROB_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -122,8 +163,28 @@ class StepOutputs:
     num_preemptions_total: int
     step_duration_s: float
     wall_time_s: float
+    choice_indices: np.ndarray = field(default_factory=_i32)  # int32 [num_outputs] (n > 1); empty = all 0
+    num_cached_tokens: np.ndarray = field(default_factory=_i32)  # int32 [num_outputs] prefix-cache hits
+    event_request_ids: list[str] = field(default_factory=list)  # [num_events]
+    event_choice_indices: np.ndarray = field(default_factory=_i32)  # int32 [num_events]
+    event_kinds: np.ndarray = field(default_factory=_u8)  # uint8 [num_events], EVENT_* values
+    event_times_s: np.ndarray = field(default_factory=_f64)  # float64 [num_events] scheduler wall clock
+    num_scheduled_tokens: int = 0  # tokens computed in this step (iteration size)
+    num_padded_slot_steps_total: int = 0  # static policy: seat-steps held by finished requests
+    num_protocol_errors_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found
+    lp_rows: np.ndarray = field(default_factory=_i32)  # int32 [num_entries] index into request_ids
+    lp_positions: np.ndarray = field(default_factory=_i32)
+    lp_token_ids: np.ndarray = field(default_factory=_i32)
+    lp_logprobs: np.ndarray = field(default_factory=_f32)
+    lp_cu_top: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
+    lp_top_token_ids: np.ndarray = field(default_factory=_i32)
+    lp_top_logprobs: np.ndarray = field(default_factory=_f32)
 
-    ARRAY_DTYPES = {"cu_new_tokens": np.int32, "new_token_ids": np.int32}
+    ARRAY_DTYPES = {"cu_new_tokens": np.int32, "new_token_ids": np.int32, "choice_indices": np.int32,
+                    "num_cached_tokens": np.int32, "event_choice_indices": np.int32,
+                    "event_kinds": np.uint8, "event_times_s": np.float64, **_LOGPROB_DTYPES}
 
     @property
     def num_outputs(self) -> int:

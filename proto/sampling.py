@@ -8,6 +8,8 @@ from proto.errors import ValidationError
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_N = 16
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    n: int = 1  # choices; the scheduler runs them as sibling sequences sharing the prompt's blocks
+    logprobs: int = -1  # -1 = none; k >= 0 = the sampled token's logprob plus the top k
+    prompt_logprobs: int = -1  # -1 = none; k >= 0 = each prompt token's logprob plus the top k
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,6 +84,11 @@ class SamplingParams:
                 "stop_token_ids")
         for token_id in self.stop_token_ids:
             _check_token_id("stop_token_ids", token_id, vocab_size)
+        _check_type("n", self.n, int)
+        _check_range("n", self.n, 1, MAX_N)
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_type(name, getattr(self, name), int)
+            _check_range(name, getattr(self, name), -1, MAX_LOGPROBS)
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValidationError(
                 f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}",

@@ -90,7 +90,7 @@ class SchedulerLoop:
             sock.close(linger=FINAL_MESSAGE_LINGER_MS if keep else 0)
         self._sockets.clear()
         if self._owns_context:
-            self._context.term()
+            self._context.destroy(linger=0)  # also closes a socket whose bind failed half-way
 
     def _fail_unfinished(self, message: str) -> None:
         """Best effort after a crash: give the frontend every request's terminal output."""
