@@ -27,6 +27,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_waiting: int = 1024
     scheduling: str = "continuous"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = off; a prompt longer than this gets at most this many tokens per step
+    max_num_partial_prefills: int = 1  # how many partially-prefilled long prompts may share one step
     null_model: bool = False
     tensor_parallel_size: int = 1
     num_threads: int = 0  # torch threads per worker; 0 = cores / tensor_parallel_size
@@ -51,11 +54,12 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValidationError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", "dtype")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting",
-                    "tensor_parallel_size", "kv_cache_memory_bytes")
+                    "tensor_parallel_size", "kv_cache_memory_bytes", "max_num_partial_prefills")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValidationError(f"{name} must be >= 1, got {getattr(self, name)}", name)
-        for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size"):
+        for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size",
+                     "long_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValidationError(f"{name} must be >= 0, got {getattr(self, name)}", name)
 

@@ -33,6 +33,7 @@ class _InFlightStep:
     step_id: int
     seqs: list[ScheduledSeq]
     num_sampled: int
+    num_scheduled_tokens: int
     started_s: float  # time.perf_counter() when the plan was built
 
 
@@ -113,7 +114,8 @@ class SchedulerEngine:
             return None
         plan = build_plan(self._next_step_id, seqs)
         num_sampled = int(plan.sample_mask.sum())
-        self._in_flight = _InFlightStep(self._next_step_id, seqs, num_sampled, time.perf_counter())
+        self._in_flight = _InFlightStep(self._next_step_id, seqs, num_sampled, len(plan.input_ids),
+                                        time.perf_counter())
         self._next_step_id += 1
         return plan
 
@@ -132,7 +134,8 @@ class SchedulerEngine:
                     self._finish(seq.request, "error", message)
         else:
             self._advance(step.seqs, result.sampled_token_ids.tolist())
-        return self._outputs.build(step.step_id, self.stats(), time.perf_counter() - step.started_s)
+        return self._outputs.build(step.step_id, self.stats(), time.perf_counter() - step.started_s,
+                                   step.num_scheduled_tokens)
 
     def fail_running(self, error_message: str) -> StepOutputs:
         """The step in flight is lost (e.g. a worker timed out): every running request fails."""
@@ -162,7 +165,8 @@ class SchedulerEngine:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.queues.running), num_waiting=len(self.queues.waiting),
                               kv_cache_usage=self.block_manager.usage,
-                              num_preemptions_total=self.queues.num_preemptions_total)
+                              num_preemptions_total=self.queues.num_preemptions_total,
+                              num_padded_slot_steps_total=self.policy.num_padded_seat_steps_total)
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants()

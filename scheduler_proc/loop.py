@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -221,6 +222,8 @@ class SchedulerLoop:
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
         deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
+        if self.num_protocol_errors:
+            outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors)
         if self._send_frame(self._outputs, codec.encode(outputs), deadline):
             self._last_sent_s = time.monotonic()
         elif outputs.num_outputs:

@@ -18,6 +18,7 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     num_preemptions_total: int
+    num_padded_slot_steps_total: int  # static policy: seat-steps held by finished requests
 
 
 class OutputBuffer:
@@ -44,7 +45,8 @@ class OutputBuffer:
         self._finish_reasons.append(finish_reason)
         self._error_messages.append(error_message)
 
-    def build(self, step_id: int, stats: SchedulerStats, step_duration_s: float) -> StepOutputs:
+    def build(self, step_id: int, stats: SchedulerStats, step_duration_s: float,
+              num_scheduled_tokens: int = 0) -> StepOutputs:
         """Pack and clear the pending entries."""
         cu_new_tokens = np.zeros(len(self._num_tokens) + 1, dtype=np.int32)  # int32 [num_outputs + 1]
         np.cumsum(np.asarray(self._num_tokens, dtype=np.int32), out=cu_new_tokens[1:])
@@ -61,6 +63,8 @@ class OutputBuffer:
             num_preemptions_total=stats.num_preemptions_total,
             step_duration_s=step_duration_s,
             wall_time_s=time.time(),
+            num_scheduled_tokens=num_scheduled_tokens,
+            num_padded_slot_steps_total=stats.num_padded_slot_steps_total,
         )
         self._reset()
         return outputs

@@ -86,7 +86,7 @@ def test_step_outputs_carry_stats() -> None:
     assert (outputs.num_running, outputs.num_waiting) == (1, 1)
     assert outputs.kv_cache_usage == pytest.approx(0.2)
     assert outputs.step_duration_s >= 0 and outputs.wall_time_s > 1.6e9
-    assert outputs.step_id == 0
+    assert outputs.step_id == 0 and outputs.num_scheduled_tokens == 8
 
 
 def test_heartbeat_has_step_id_minus_one_and_current_stats() -> None:

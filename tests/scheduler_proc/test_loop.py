@@ -129,6 +129,7 @@ def test_loop_serves_two_requests_and_survives_garbage_frames() -> None:
         frontend.add("c", 2, max_tokens=2)
         frontend.wait_finished("c")
         assert loop.num_protocol_errors == 3  # garbage request, garbage result, stale result
+        assert frontend.log.messages[-1].num_protocol_errors_total == 3
         assert frontend.log.tokens["c"] == frontend.worker.fake.sequences["c"][2:]
 
 
