@@ -43,6 +43,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                         help="waiting-queue limit; requests beyond it get 429")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn off reuse of cached KV blocks across requests")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="prompts longer than this get at most this many tokens per step (0 = off)")
+    parser.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills,
+                        help="how many long prompts may be partially prefilled in one step")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes,
                         help="KV cache budget per worker, e.g. 2GiB (default 1GiB)")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
@@ -73,6 +79,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         max_num_waiting=args.max_num_waiting, scheduling=args.scheduling, null_model=args.null_model,
+        enable_prefix_caching=not args.no_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
         tensor_parallel_size=args.tensor_parallel_size, num_threads=args.num_threads,
         vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
         api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
