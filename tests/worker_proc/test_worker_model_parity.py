@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model
+from tiny_model import build_tiny_model
 from safetensors.torch import load_file, save_file
 from worker_plans import BlockPool, Seq, advance, make_plan, tiny_engine_config
 
