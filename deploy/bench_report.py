@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,26 @@ def _percentiles(values: list[float]) -> dict:
     return out
 
 
+def save_result(result: dict, out_dir: Path, filename: str) -> list[Path]:
+    """The result JSON plus its PNG plots in `out_dir` (created); the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / filename
+    json_path.write_text(json.dumps(result, indent=2))
+    return [json_path, *write_plots(result, out_dir, Path(filename).stem)]
+
+
+def latency_series(result: dict) -> dict[str, list[float]]:
+    """Per-request (TTFT, TPOT, end-to-end) and per-token (ITL) latencies in seconds."""
+    requests = [r for r in result["requests"] if not r["error"] and r["token_times_s"]]
+    return {
+        "TTFT": [r["token_times_s"][0] - r["start_s"] for r in requests],
+        "end-to-end": [r["end_s"] - r["start_s"] for r in requests],
+        "ITL": [b - a for r in requests for a, b in zip(r["token_times_s"], r["token_times_s"][1:])],
+        "TPOT": [(r["end_s"] - r["token_times_s"][0]) / (len(r["token_times_s"]) - 1)
+                 for r in requests if len(r["token_times_s"]) > 1],
+    }
+
+
 def write_plots(result: dict, out_dir: Path, label: str) -> list[Path]:
     """Latency CDFs and output tokens/s over time, as PNGs next to the result JSON."""
     import matplotlib
@@ -51,30 +72,28 @@ def write_plots(result: dict, out_dir: Path, label: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    requests = [r for r in result["requests"] if not r["error"] and r["token_times_s"]]
-    series = {
-        "TTFT": [r["token_times_s"][0] - r["start_s"] for r in requests],
-        "end-to-end": [r["end_s"] - r["start_s"] for r in requests],
-    }
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, values in series.items():
-        values = np.sort(values)
-        ax.plot(values, np.linspace(0, 1, len(values), endpoint=False), label=name)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"latency CDF: {label}")
-    ax.legend()
+    series = latency_series(result)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, names, unit, scale in ((axes[0], ("TTFT", "end-to-end"), "s", 1.0),
+                                   (axes[1], ("ITL", "TPOT"), "ms", 1e3)):
+        for name in names:
+            values = np.sort(np.asarray(series[name], dtype=np.float64)) * scale
+            ax.plot(values, np.arange(1, len(values) + 1) / max(len(values), 1), label=name)
+        ax.set_xlabel(unit)
+        ax.set_ylabel("fraction")
+        ax.legend()
+    fig.suptitle(f"latency CDFs: {label}")
     cdf_path = out_dir / f"{label}-latency-cdf.png"
     fig.savefig(cdf_path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
-    times = np.concatenate([r["token_times_s"] for r in requests]) if requests else np.zeros(0)
+    requests = [r for r in result["requests"] if not r["error"]]
+    times = np.concatenate([r["token_times_s"] for r in requests] or [np.zeros(0)])  # float64 [num_chunks]
     fig, ax = plt.subplots(figsize=(6, 3))
     if len(times):
-        bins = np.arange(0.0, float(times.max()) + 1.0, 1.0)
-        ax.hist(times, bins=bins)
+        ax.hist(times, bins=np.arange(0.0, float(times.max()) + 1.0, 1.0))
     ax.set_xlabel("seconds since start")
-    ax.set_ylabel("streamed chunks / s")
+    ax.set_ylabel("streamed tokens / s")
     ax.set_title(f"output over time: {label}")
     rate_path = out_dir / f"{label}-tokens-over-time.png"
     fig.savefig(rate_path, dpi=100, bbox_inches="tight")

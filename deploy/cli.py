@@ -1,15 +1,20 @@
-"""The `conveyor` command: `serve` starts the stack; `bench` replays a trace against a server."""
+"""The `conveyor` command: `serve` starts the stack; `bench` replays a trace against a server;
+`simulate` shows static vs continuous batching on the real scheduler."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 from deploy.model_info import ModelError, read_model_info
 from deploy.model_source import resolve_model
+from deploy.placement import add_placement_arguments, check_placement, placement_fields
 from proto.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
 from proto.errors import ValidationError
 
@@ -52,7 +57,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes,
                         help="KV cache budget per worker, e.g. 2GiB (default 1GiB)")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_placement_arguments(parser)  # --tensor-parallel-size, --devices, --nnodes, --master-addr...
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads per worker")
     parser.add_argument("--null-model", action="store_true",
                         help="sample without running a model (measures scheduler + IPC overhead)")
@@ -70,10 +75,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     if max_model_len > info.max_position_embeddings:
         raise ValidationError(f"--max-model-len {max_model_len} exceeds the model's context length "
                               f"{info.max_position_embeddings}")
-    if info.num_attention_heads % args.tensor_parallel_size:
-        raise ValidationError(f"--tensor-parallel-size {args.tensor_parallel_size} does not divide "
-                              f"the model's {info.num_attention_heads} attention heads")
-    return EngineConfig(
+    config = EngineConfig(
         model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
         dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -82,10 +84,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        tensor_parallel_size=args.tensor_parallel_size, num_threads=args.num_threads,
+        num_threads=args.num_threads,
         vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
         api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
-        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+        **placement_fields(args, info))
+    check_placement(config)
+    return config
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -108,7 +113,11 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     try:
         with Stack(config) as stack:
-            log.info("conveyor is answering on %s (OpenAI API under /v1)", stack.url)
+            if config.node_rank == 0:
+                log.info("conveyor is answering on %s (OpenAI API under /v1)", stack.url)
+            else:
+                log.info("node %d: workers %s joined node 0 at %s", config.node_rank,
+                         list(config.local_ranks), config.master_addr)
             reason = stack.watch(lambda: stopping["flag"])
             log.log(logging.INFO if stopping["flag"] else logging.ERROR, "%s", reason)
             return 0 if stopping["flag"] else 1
@@ -117,13 +126,28 @@ def serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def simulate(simulator_args: list[str]) -> int:
+    """`conveyor simulate ARGS` runs the scheduler's slot simulator in its own process: deploy
+    may not import scheduler_proc, and the simulator parses (and refuses) its own arguments."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    argv = [sys.executable, "-m", "scheduler_proc.simulate", *simulator_args]
+    return subprocess.run(argv, stdin=subprocess.DEVNULL, env=env, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:
+        return simulate(argv[1:])
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="serve a model over the OpenAI API"))
     from deploy import bench
 
-    bench.add_arguments(commands.add_parser("bench", help="replay a trace against a server"))
+    bench.add_arguments(commands.add_parser("bench", help="replay a trace against a server "
+                                                          "(`bench sweep`: vary --max-num-seqs)"))
+    commands.add_parser("simulate", add_help=False, help="static vs continuous batching on the real "
+                                                         "scheduler, drawn as slot timelines")
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,9 +1,10 @@
 """One launcher for production and tests: start every process, wait for ready, stop them all.
 
-`Stack` is a context manager: `with Stack(config) as stack:` starts the scheduler, one worker per
-tensor-parallel rank and the frontend as fresh Python processes, waits until each reports
-ProcessReady on the control channel, and on exit stops them all (frontend first so in-flight
-requests drain) and kills whatever outlives the shutdown timeout.
+`Stack` is a context manager: `with Stack(config) as stack:` starts this node's processes as
+fresh Python processes (node 0: the scheduler, its share of the tensor-parallel workers and the
+frontend; any other node: its workers only, which reach node 0 over TCP), waits until each
+reports ProcessReady on the control channel, and on exit stops them all (frontend first so
+in-flight requests drain) and kills whatever outlives the shutdown timeout.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import zmq
 
+from deploy.devices import check_devices, visible_gpus, worker_env
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.errors import ProtocolError
+from proto.errors import ProtocolError, ValidationError
 from proto.messages import ProcessFailed, ProcessReady
 
 log = logging.getLogger("conveyor.deploy")
@@ -39,8 +41,15 @@ class Child:
     name: str
     module: str
     extra_args: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # overrides, e.g. a worker's one GPU
     process: subprocess.Popen | None = None
     log_file: IO[bytes] | None = None
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        rank = f", tensor-parallel rank {self.extra_args[1]}" if self.module == "worker_proc" else ""
+        return f"{self.name} (pid {self.process.pid}{rank}) {how}"
 
 
 class Stack:
@@ -53,6 +62,7 @@ class Stack:
         self._context: zmq.Context | None = None
         self._control: zmq.Socket | None = None
         self._owns_runtime_dir = not config.runtime_dir
+        self.failure = ""  # why the stack is stopping, when a process died or reported failure
 
     @property
     def url(self) -> str:
@@ -70,17 +80,29 @@ class Stack:
         self.stop()
 
     def start(self) -> None:
+        gpus = visible_gpus()
+        try:
+            check_devices(self.config, gpus)
+        except ValidationError as exc:
+            raise StartupError(str(exc)) from exc
         if self._owns_runtime_dir:
             self.config = self.config.with_updates(runtime_dir=sockets.make_runtime_dir())
         self._context = zmq.Context()
         self._control = sockets.bind(self._context, zmq.PULL, self.config.runtime_dir, sockets.CONTROL)
-        self.children = [Child("scheduler", "scheduler_proc", [])]
-        self.children += [Child(f"worker{rank}", "worker_proc", ["--rank", str(rank)])
-                          for rank in range(self.config.tensor_parallel_size)]
-        self.children.append(Child("frontend", "frontend", []))
+        self.children = self._plan_children(gpus)
         for child in self.children:
             self._spawn(child)
         self._wait_ready({child.name for child in self.children})
+
+    def _plan_children(self, gpus: list[str]) -> list[Child]:
+        """Node 0: scheduler, workers, frontend; other nodes: their workers only."""
+        config = self.config
+        workers = [Child(f"worker{rank}", "worker_proc", ["--rank", str(rank)],
+                         worker_env(config, local_rank, gpus))
+                   for local_rank, rank in enumerate(config.local_ranks)]
+        if config.node_rank > 0:
+            return workers
+        return [Child("scheduler", "scheduler_proc", []), *workers, Child("frontend", "frontend", [])]
 
     def _spawn(self, child: Child) -> None:
         argv = [sys.executable, "-m", child.module, "--config", self.config.to_json(), *child.extra_args]
@@ -91,7 +113,7 @@ class Stack:
         # A new session: a terminal's Ctrl-C reaches only the supervisor, which stops children in order.
         child.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output,
                                          stderr=subprocess.STDOUT if output else None,
-                                         start_new_session=True, env=_child_env())
+                                         start_new_session=True, env=_child_env(child.env))
         log.info("started %s (pid %d)", child.name, child.process.pid)
 
     def _wait_ready(self, pending: set[str]) -> None:
@@ -135,21 +157,41 @@ class Stack:
         return None
 
     def watch(self, should_stop: Callable[[], bool], poll_s: float = 0.5) -> str:
-        """Block until should_stop() or a child dies; return why, for the log."""
+        """Block until should_stop(), or until a child dies or reports ProcessFailed (e.g. the
+        scheduler naming a worker rank that did not answer a step); return why, for the log. A
+        failure is kept in self.failure, which makes stop() fail fast instead of draining."""
         while not should_stop():
+            reported = self._reported_failure(poll_s)
             dead = self.dead_child()
-            if dead is not None:
-                return (f"{dead.name} (pid {dead.process.pid}) exited with code "
-                        f"{dead.process.returncode}; stopping every process{self._log_hint(dead)}")
-            time.sleep(poll_s)
+            if dead is not None or reported:
+                detail = "; ".join(part for part in (dead.describe_exit() if dead else "", reported) if part)
+                self.failure = f"{detail}; stopping every process{self._log_hint(dead) if dead else ''}"
+                return self.failure
         return "shutdown requested"
 
+    def _reported_failure(self, wait_s: float) -> str:
+        """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''."""
+        frame = sockets.recv_ready(self._control, wait_s)
+        if frame is None:
+            return ""
+        try:
+            message = codec.decode(frame)
+        except ProtocolError as exc:
+            log.warning("ignoring a malformed control frame: %s", exc)
+            return ""
+        return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
+
     def stop(self) -> None:
-        """Frontend first (it drains in-flight requests on SIGTERM), then the engine processes."""
+        """Frontend first: on SIGTERM its /health turns 503 and it drains in-flight requests; then
+        the engine processes. After a failure there is nothing to wait for: every process gets
+        SIGTERM at once, frontend first (the scheduler then ends the in-flight requests)."""
         frontend = [c for c in self.children if c.name == "frontend"]
         engine = [c for c in self.children if c.name != "frontend"]
-        _terminate(frontend, self.config.shutdown_timeout_s + 5.0)
-        _terminate(engine, 10.0)
+        if self.failure:
+            _terminate(frontend + engine, self.config.shutdown_timeout_s + 5.0)
+        else:
+            _terminate(frontend, self.config.shutdown_timeout_s + 5.0)
+            _terminate(engine, 10.0)
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()
@@ -174,8 +216,8 @@ def _terminate(children: list[Child], timeout_s: float) -> None:
             child.process.wait()
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
+def _child_env(overrides: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ, **overrides)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
     root = str(Path(__file__).resolve().parent.parent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -85,10 +86,57 @@ def load_trace(path: Path) -> list[TraceEntry]:
                 continue
             try:
                 raw = json.loads(line)
-                entries.append(TraceEntry(float(raw["arrival_s"]), [int(t) for t in raw["prompt_token_ids"]],
-                                          int(raw["output_len"])))
+                entry = TraceEntry(float(raw["arrival_s"]), [int(t) for t in raw["prompt_token_ids"]],
+                                   int(raw["output_len"]))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{line_no}: not a trace entry: {exc}") from exc
+            problem = _entry_problem(entry)
+            if problem:
+                raise ValueError(f"{path}:{line_no}: {problem}")
+            entries.append(entry)
     if not entries:
         raise ValueError(f"{path} holds no trace entries")
     return entries
+
+
+def _entry_problem(entry: TraceEntry) -> str:
+    if not (math.isfinite(entry.arrival_s) and entry.arrival_s >= 0):
+        return f"arrival_s must be a finite number >= 0, got {entry.arrival_s}"
+    if not entry.prompt_token_ids:
+        return "prompt_token_ids is empty"
+    if min(entry.prompt_token_ids) < 0:
+        return f"prompt_token_ids holds a negative id {min(entry.prompt_token_ids)}"
+    if entry.output_len < 1:
+        return f"output_len must be >= 1, got {entry.output_len}"
+    return ""
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser, request_rate: float = math.inf) -> None:
+    """The flags that make (or load) a trace; shared by `conveyor bench` and `bench sweep`."""
+    spec = TraceSpec()
+    parser.add_argument("--num-prompts", type=int, default=spec.num_prompts)
+    parser.add_argument("--request-rate", type=float, default=request_rate,
+                        help=f"requests/s, Poisson arrivals (inf: one burst; default {request_rate})")
+    parser.add_argument("--prompt-len-min", type=int, default=spec.prompt_len_min)
+    parser.add_argument("--prompt-len-max", type=int, default=spec.prompt_len_max)
+    parser.add_argument("--output-dist", choices=OUTPUT_DISTS, default=spec.output_dist,
+                        help="heavy: lognormal output lengths; uniform: all the same length")
+    parser.add_argument("--output-median", type=int, default=spec.output_median)
+    parser.add_argument("--output-sigma", type=float, default=spec.output_sigma)
+    parser.add_argument("--output-max", type=int, default=spec.output_max)
+    parser.add_argument("--seed", type=int, default=spec.seed)
+    parser.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead")
+    parser.add_argument("--save-trace", type=Path, default=None, help="write the trace as JSONL")
+
+
+def trace_from_args(args: argparse.Namespace, vocab_high: int = TraceSpec.vocab_high) -> list[TraceEntry]:
+    """The trace the flags describe: loaded from --trace, or made (ids below `vocab_high`).
+    Raises ValueError (or OSError for an unreadable file) with the flag and the value."""
+    if args.trace:
+        return load_trace(args.trace)
+    return make_trace(TraceSpec(
+        num_prompts=args.num_prompts, prompt_len_min=args.prompt_len_min,
+        prompt_len_max=args.prompt_len_max, output_dist=args.output_dist,
+        output_median=args.output_median, output_sigma=args.output_sigma,
+        output_max=args.output_max, request_rate=args.request_rate, seed=args.seed,
+        vocab_high=min(vocab_high, TraceSpec.vocab_high)))

@@ -30,8 +30,12 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     model_name = served_model_name(config)
     limits = ModelLimits(max_model_len=resolve_max_model_len(config),
                          vocab_size=config.vocab_size or tokenizer.vocab_size)
+    metrics = FrontendMetrics(model_name, max_num_seqs=config.max_num_seqs,
+                              max_model_len=limits.max_model_len,
+                              max_num_batched_tokens=config.max_num_batched_tokens)
+    engine_client.add_listener(metrics)
     state = ServerState(config=config, engine=engine_client, tokenizer=tokenizer,
-                        metrics=FrontendMetrics(model_name), limits=limits, model_name=model_name,
+                        metrics=metrics, limits=limits, model_name=model_name,
                         max_in_flight=config.max_num_seqs + config.max_num_waiting)
 
     @contextlib.asynccontextmanager

@@ -6,13 +6,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
+from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
 from proto import codec, sockets
 from proto.errors import ProtocolError
 from proto.messages import AbortRequest, AddRequest, StepOutputs
@@ -27,33 +27,13 @@ class EngineUnavailableError(RuntimeError):
     """The scheduler cannot take a request right now (not connected, or its inbox is full)."""
 
 
-@dataclass(frozen=True)
-class EngineDelta:
-    """One step's news for one request. `finish_reason` is "" until the single terminal delta."""
-
-    token_ids: list[int]
-    finish_reason: str = ""
-    error_message: str = ""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Scheduler state as of its last message (a step or an idle heartbeat)."""
-
-    step_id: int
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    step_duration_s: float
-    wall_time_s: float
-
-
 class EngineClient(Protocol):
     """What the HTTP layer needs from the engine; tests substitute an in-process fake.
 
-    `generate` yields deltas until one has a finish reason. `abort` tells the scheduler to drop
-    the request and, if its stream is still open, ends it with a finish_reason "abort" delta.
+    `generate` yields deltas (each naming its choice) until every one of the request's
+    `sampling_params.n` choices has had its terminal delta. `abort` tells the scheduler to drop
+    the request (all its choices) and, if its stream is still open, ends every open choice with a
+    finish_reason "abort" delta. Listeners see every StepOutputs (metrics).
     """
 
     async def start(self) -> None: ...
@@ -67,6 +47,8 @@ class EngineClient(Protocol):
 
     def is_alive(self) -> bool: ...
 
+    def add_listener(self, listener: EngineListener) -> None: ...
+
     @property
     def latest_stats(self) -> EngineStats | None: ...
 
@@ -74,7 +56,7 @@ class EngineClient(Protocol):
 class ZmqEngineClient:
     """EngineClient over ZMQ: PUSH to the scheduler's REQUESTS, PULL from its OUTPUTS (it binds both).
 
-    Owns the per-request queues; one background task receives and routes every StepOutputs.
+    One background task receives every StepOutputs and hands it to the OutputRouter.
     A request that the scheduler stops talking about gets an "error" delta after `dead_after_s`.
     """
 
@@ -84,10 +66,9 @@ class ZmqEngineClient:
         self._runtime_dir = runtime_dir
         self._alive_timeout_s = alive_timeout_s
         self._dead_after_s = dead_after_s
-        self._queues: dict[str, asyncio.Queue[EngineDelta]] = {}
+        self._router = OutputRouter()
         self._last_received_s: float | None = None  # this process's monotonic clock
         self._started_s = time.monotonic()
-        self._latest_stats: EngineStats | None = None
         self._context: zmq.Context | None = None
         self._requests: zmq.Socket | None = None  # sync: sends never wait (NOBLOCK)
         self._outputs: zmq.asyncio.Socket | None = None
@@ -114,11 +95,14 @@ class ZmqEngineClient:
 
     @property
     def latest_stats(self) -> EngineStats | None:
-        return self._latest_stats
+        return self._router.latest_stats
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._router)
+
+    def add_listener(self, listener: EngineListener) -> None:
+        self._router.add_listener(listener)
 
     def is_alive(self) -> bool:
         """A message was RECEIVED within `alive_timeout_s` (our clock, never the scheduler's)."""
@@ -131,31 +115,23 @@ class ZmqEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]:
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
-        self._queues[request_id] = queue
+        route = self._router.open(request_id, sampling_params.n)
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)  # int32 [num_prompt_tokens]
         try:
             self._send(AddRequest(request_id, prompt, sampling_params, time.time()))
         except BaseException:
-            del self._queues[request_id]
+            self._router.discard(request_id)
             raise
-        while True:
-            delta = await queue.get()
+        async for delta in route.deltas():
             yield delta
-            if delta.finish_reason:
-                return
 
     def abort(self, request_id: str) -> None:
-        queue = self._queues.pop(request_id, None)
-        if queue is None:  # already finished: the scheduler holds nothing for it
+        if not self._router.abort(request_id):  # already finished: the scheduler holds nothing
             return
         try:
             self._send(AbortRequest([request_id]))
         except EngineUnavailableError as exc:
             logger.warning("could not send abort for %s: %s", request_id, exc)
-        queue.put_nowait(EngineDelta([], "abort"))
 
     def handle_frame(self, frame: bytes) -> None:
         """Decode and route one OUTPUTS frame; a bad frame is logged and counted, never fatal."""
@@ -167,31 +143,19 @@ class ZmqEngineClient:
             self.num_protocol_errors += 1
             logger.error("dropping a malformed scheduler frame (%d so far): %s",
                          self.num_protocol_errors, exc)
+            self._router.protocol_error()
             return
         self._last_received_s = time.monotonic()
-        self._latest_stats = EngineStats(
-            message.step_id, message.num_running, message.num_waiting, message.kv_cache_usage,
-            message.num_preemptions_total, message.step_duration_s, message.wall_time_s)
-        for index, request_id in enumerate(message.request_ids):
-            queue = self._queues.get(request_id)
-            if queue is None:  # aborted here already; the scheduler's late outputs are moot
-                continue
-            finish_reason = message.finish_reasons[index]
-            queue.put_nowait(EngineDelta(message.tokens_of(index).tolist(), finish_reason,
-                                         message.error_messages[index]))
-            if finish_reason:
-                del self._queues[request_id]
+        self._router.route(message, self._last_received_s)
 
     def fail_silent_requests(self) -> None:
         """End every open request with an error once the scheduler has been silent too long."""
         silent_s = self.seconds_since_last_message()
-        if not self._queues or silent_s < self._dead_after_s:
+        if not len(self._router) or silent_s < self._dead_after_s:
             return
         message = f"the scheduler has sent nothing for {silent_s:.0f} s; the request was failed"
-        logger.error("%s (%d requests)", message, len(self._queues))
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDelta([], "error", message))
-        self._queues.clear()
+        num_failed = self._router.fail_all(message)
+        logger.error("%s (%d requests)", message, num_failed)
 
     async def _receive_loop(self) -> None:
         poll_ms = int(min(self._alive_timeout_s, 1.0) * 1000)

@@ -1,4 +1,11 @@
-"""One request's run in the frontend: engine deltas -> safe text, stop strings, metrics, abort."""
+"""One request's run in the frontend: engine deltas -> per-choice safe text, stop strings, metrics, abort.
+
+n > 1: the scheduler runs the n choices as sibling sequences and can only abort the whole
+request. A choice that meets one of its stop strings is therefore finished HERE and its later
+tokens are ignored, while its siblings keep running; the request is aborted in the scheduler only
+once every choice is final (or the client left). The cost: a stopped choice's sequence may keep
+its seat until its siblings end; the gain: no sibling ever loses tokens to another's stop string.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +13,42 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from starlette.types import Receive
 
-from frontend.detokenizer import OutputText
-from frontend.engine_client import EngineClient
+from frontend.choice import ChoiceDelta, ChoiceOutput
+from frontend.engine_client import EngineClient, EngineUnavailableError
+from frontend.engine_outputs import EngineDelta, TokenLogprob
 from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
 from frontend.validation import GenerationJob
 
-
-@dataclass(frozen=True)
-class TextDelta:
-    """Text that is safe to send; `finish_reason` is set on the last one only."""
-
-    text: str
-    finish_reason: str = ""
-    error_message: str = ""
+FAILURE_REASONS = ("error", "abort")
 
 
 class Generation:
-    """Runs one job against the engine. Invariant: when `deltas()` ends, `finish_reason` is set
-    and the scheduler either finished the request itself or was sent an abort for it."""
+    """Runs one job against the engine. Invariant: when `deltas()` ends, every choice has its
+    finish reason and the scheduler either finished the request itself or was sent an abort."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics,
                  request_id: str, job: GenerationJob, arrival_s: float) -> None:
         """`arrival_s`: when the HTTP request arrived, on this process's monotonic clock."""
         self.request_id = request_id
         self.job = job
-        self.output = OutputText(tokenizer, job.prompt_token_ids, job.stop,
-                                 job.sampling_params.min_tokens)
-        self.finish_reason = ""
+        params = job.sampling_params
+        self.choices = [ChoiceOutput(index, tokenizer, job.prompt_token_ids, job.stop,
+                                     params.min_tokens, params.logprobs >= 0)
+                        for index in range(params.n)]
+        self.prompt_logprobs: dict[int, TokenLogprob] = {}  # by position, when echo asked for them
         self.error_message = ""
         self._engine = engine
         self._metrics = metrics
         self._abort_requested = False
         self._started = False  # generate() was called: the scheduler knows the request
         self._abort_sent = False
+        self._prompt_recorded = False
         self._arrival_s = arrival_s
+        self._last_token_s: list[float | None] = [None] * params.n  # per choice, receive clock
         self.created_s = int(time.time())  # OpenAI's `created`: wall-clock seconds
 
     @property
@@ -53,62 +57,102 @@ class Generation:
 
     @property
     def num_output_tokens(self) -> int:
-        return self.output.num_tokens
+        return sum(choice.num_tokens for choice in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, as reported for choice 0 (whose blocks the
+        sibling choices share)."""
+        return self.choices[0].num_cached_tokens
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finish_reason for choice in self.choices)
+
+    @property
+    def failure(self) -> ChoiceOutput | None:
+        """The first choice that ended with "error" or "abort": the request then failed."""
+        return next((c for c in self.choices if c.finish_reason in FAILURE_REASONS), None)
 
     def abort(self, message: str = "") -> None:
-        """Free the scheduler's blocks; `deltas()` then ends with "abort" (and `message`, if any)."""
-        if not self.finish_reason:
+        """Free the scheduler's blocks; `deltas()` then ends every open choice with "abort"."""
+        if not self.finished:
             self._abort_requested = True
             self.error_message = message
             self._abort_engine()
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         if self._abort_requested:  # the client left before we asked the engine for anything
-            self.finish_reason = "abort"
-            yield TextDelta("", self.finish_reason, self.error_message)
+            for choice in self.choices:
+                yield choice.end("abort", self.error_message)
             return
         self._started = True
         stream = self._engine.generate(self.request_id, self.job.prompt_token_ids,
                                        self.job.sampling_params)
+        rejected = False
         try:
             async for delta in stream:
-                if delta.token_ids:
-                    self._record_tokens(len(delta.token_ids))
-                text = self.output.push(delta.token_ids, final=bool(delta.finish_reason))
-                if self.output.stopped:
-                    if not delta.finish_reason:  # the scheduler would keep generating otherwise
-                        self._abort_engine()
-                    self.finish_reason = "stop"
-                elif delta.finish_reason:
-                    self.finish_reason = delta.finish_reason
-                    self.error_message = delta.error_message or self.error_message
-                if text or self.finish_reason:
-                    yield TextDelta(text, self.finish_reason, self.error_message)
-                if self.finish_reason:
+                update = self._consume(delta)
+                if self.finished and not all(c.engine_finished for c in self.choices):
+                    self._abort_engine()  # the rest run on only for choices we already ended
+                if update is not None:
+                    yield update
+                if self.finished:
                     return
+        except EngineUnavailableError:
+            rejected = True  # the scheduler never took it: nothing to count
+            raise
         finally:
-            if not self.finish_reason:  # cancelled or closed early: never leave it running
-                self._abort_engine()
-                self.finish_reason = "abort"
-            await stream.aclose()
-            self._metrics.record_finished(time.monotonic() - self._arrival_s)
+            await self._close(stream, rejected)
 
-    async def text(self) -> str:
-        """Run to the end and return the whole output text."""
+    async def run(self) -> None:
+        """Run to the end (every choice final)."""
         async for _ in self.deltas():
             pass
-        return self.output.text
+
+    def _consume(self, delta: EngineDelta) -> ChoiceDelta | None:
+        choice = self.choices[delta.choice_index]
+        for entry in delta.logprobs:
+            if entry.position < self.num_prompt_tokens:
+                self.prompt_logprobs.setdefault(entry.position, entry)
+        update = choice.push(delta)  # None for a choice already final here (tokens ignored)
+        if update is not None:
+            self._record(choice, update, delta.received_s)
+        if choice.finish_reason in FAILURE_REASONS and not self.error_message:
+            self.error_message = choice.error_message
+        return update
+
+    async def _close(self, stream: AsyncIterator[EngineDelta], rejected: bool) -> None:
+        if not self.finished:  # cancelled or closed early: never leave it running
+            self._abort_engine()
+            now_s = time.monotonic()
+            for choice in self.choices:
+                if not choice.finish_reason:
+                    ended = choice.end("abort", self.error_message)
+                    if not rejected:
+                        self._record(choice, ended, now_s)
+        await stream.aclose()
+        if not rejected:
+            self._metrics.record_request_finished(self.num_prompt_tokens)
+
+    def _record(self, choice: ChoiceOutput, update: ChoiceDelta, received_s: float) -> None:
+        if update.token_ids:
+            if not self._prompt_recorded:
+                self._prompt_recorded = True
+                self._metrics.record_prompt(self.num_prompt_tokens)
+            last_s = self._last_token_s[choice.index]
+            latency_s = received_s - (self._arrival_s if last_s is None else last_s)
+            self._metrics.record_choice_tokens(len(update.token_ids), latency_s, last_s is None)
+            self._last_token_s[choice.index] = received_s
+        if update.finish_reason:
+            self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s,
+                                                 choice.num_tokens)
 
     def _abort_engine(self) -> None:
         # Our disconnect watcher and Starlette's cancellation can both fire: one abort is enough.
         if self._started and not self._abort_sent:
             self._abort_sent = True
             self._engine.abort(self.request_id)
-
-    def _record_tokens(self, num_tokens: int) -> None:
-        if self.output.num_tokens == 0:
-            self._metrics.record_first_token(self.num_prompt_tokens, time.monotonic() - self._arrival_s)
-        self._metrics.record_tokens(num_tokens)
 
 
 @contextlib.asynccontextmanager

@@ -1,60 +1,171 @@
-"""Prometheus metrics of the frontend (vLLM's names under the `conveyor:` prefix), own registry."""
+"""Prometheus metrics of the frontend (vLLM's names under the `conveyor:` prefix), own registry.
+
+Counting unit: each of a request's n choices is one engine sequence, as vLLM V1 runs each sample
+as a child request; so request_success_total, the latency histograms and
+request_generation_tokens count choices. The prompt is one per request: prompt_tokens_total
+(counted once its first token arrives, i.e. once it was prefilled) and request_prompt_tokens
+(observed when the request ends) count requests.
+
+Clocks: TTFT, inter-token and end-to-end latencies use this process's monotonic clock only
+(HTTP arrival to frame receipt); queue / prefill / decode times are differences of two scheduler
+timestamps (see lifecycle.py). Scheduler running totals become counters through their increments
+since the last message: a counter never goes backwards.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from frontend.engine_client import EngineStats
+from frontend.lifecycle import LifecycleTracker
+from proto.messages import FINISH_REASONS, StepOutputs
 
 PREFIX = "conveyor:"
-TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                  10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                 60.0, 120.0, 240.0, 480.0)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+                  2.5, 5.0, 10.0, 30.0)
+OCCUPANCY_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Scheduler running totals -> our counter names.
+_SCHEDULER_TOTALS = {
+    "num_preemptions_total": "num_preemptions",
+    "prefix_cache_queries_total": "prefix_cache_queries",
+    "prefix_cache_hits_total": "prefix_cache_hits",
+    "num_protocol_errors_total": "protocol_errors",
+    "num_padded_slot_steps_total": "padded_slot_steps",
+}
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(buckets)
+            buckets.append(float(mantissa * scale))
+        scale *= 10
+
+
+def power_of_two_buckets(limit: int) -> tuple[float, ...]:
+    """1, 8, 16, 32, ... up to the first power of two >= `limit` (per-step token counts)."""
+    buckets, size = [1.0], 8
+    while size < limit * 2:
+        buckets.append(float(size))
+        size *= 2
+    return tuple(buckets)
 
 
 class FrontendMetrics:
-    """All series carry `model_name`. Latencies are measured on this process's monotonic clock
-    only; scheduler stats are copied from its latest message at scrape time."""
+    """All series carry `model_name`. Implements EngineListener for the scheduler's messages."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_num_seqs: int = 1, max_model_len: int = 2048,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ("model_name",)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self._model_name = model_name
+        self._max_num_seqs = max_num_seqs
+        self._seen_totals = dict.fromkeys(_SCHEDULER_TOTALS, 0)  # high-water marks
+        self._lifecycle = LifecycleTracker()
+        token_buckets = one_two_five_buckets(max_model_len)
+        gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Seconds from request arrival to its first token.", TTFT_BUCKETS_S)
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Seconds from request arrival to its end.", E2E_BUCKETS_S)
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of prefilled requests.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated (all choices).")
+        self.num_preemptions = counter("num_preemptions_total", "Sequences preempted by the scheduler.")
+        self.prefix_cache_queries = counter("prefix_cache_queries_total",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits_total",
+                                         "Prompt tokens found in the prefix cache.")
+        self.protocol_errors = counter("protocol_errors_total",
+                                       "Malformed frames dropped (scheduler's and frontend's).")
+        self.padded_slot_steps = counter("padded_slot_steps_total",
+                                         "Static scheduling: seat-steps held by finished sequences.")
+        self.request_success = Counter(PREFIX + "request_success_total", "Finished choices by reason.",
+                                       ("model_name", "finished_reason"), registry=self.registry)
+        for reason in filter(None, FINISH_REASONS):  # every series exists from the start
+            self.request_success.labels(model_name, reason)
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Request arrival to a choice's first token.", TTFT_BUCKETS_S)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Between two token deliveries of one choice.", ITL_BUCKETS_S)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Request arrival to a choice's end.", REQUEST_BUCKETS_S)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Queued to first scheduled (scheduler clock).", REQUEST_BUCKETS_S)
+        self.request_prefill_time = histogram("request_prefill_time_seconds",
+                                              "First scheduled to first token (scheduler clock).",
+                                              REQUEST_BUCKETS_S)
+        self.request_decode_time = histogram("request_decode_time_seconds",
+                                             "First token to finished (scheduler clock).", REQUEST_BUCKETS_S)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per choice.", token_buckets)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per step.",
+                                          power_of_two_buckets(max_num_batched_tokens))
+        self.step_duration = histogram("step_duration_seconds", "Scheduler step duration.", STEP_BUCKETS_S)
+        self.batch_occupancy = histogram("batch_occupancy", "Running seats / max_num_seqs, per step.",
+                                         OCCUPANCY_BUCKETS)
 
-    def record_first_token(self, num_prompt_tokens: int, seconds: float) -> None:
+    # -- per request, from the HTTP side (our monotonic clock) --------------------------------
+
+    def record_prompt(self, num_prompt_tokens: int) -> None:
+        """The request's first token arrived: its prompt was prefilled."""
         self.prompt_tokens.inc(num_prompt_tokens)
-        self.time_to_first_token.observe(seconds)
 
-    def record_tokens(self, num_tokens: int) -> None:
+    def record_choice_tokens(self, num_tokens: int, latency_s: float, first: bool) -> None:
+        """`latency_s`: since arrival for a choice's first tokens, else since its previous ones."""
         self.generation_tokens.inc(num_tokens)
+        (self.time_to_first_token if first else self.inter_token_latency).observe(latency_s)
 
-    def record_finished(self, seconds: float) -> None:
-        self.e2e_request_latency.observe(seconds)
+    def record_choice_finished(self, finish_reason: str, e2e_s: float, num_tokens: int) -> None:
+        self.request_success.labels(self._model_name, finish_reason).inc()
+        self.e2e_request_latency.observe(e2e_s)
+        self.request_generation_tokens.observe(num_tokens)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        """The exposition text, with the scheduler gauges set from `stats` (None: not heard yet)."""
-        if stats is not None:
-            self.num_requests_running.set(stats.num_running)
-            self.num_requests_waiting.set(stats.num_waiting)
-            self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+    def record_request_finished(self, num_prompt_tokens: int) -> None:
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+
+    # -- EngineListener: the scheduler's messages ---------------------------------------------
+
+    def on_step_outputs(self, outputs: StepOutputs) -> None:
+        self.num_requests_running.set(outputs.num_running)
+        self.num_requests_waiting.set(outputs.num_waiting)
+        self.kv_cache_usage_perc.set(outputs.kv_cache_usage)
+        for field_name, attribute in _SCHEDULER_TOTALS.items():
+            total = getattr(outputs, field_name)
+            # A lower total is a message that does not carry it: never count backwards.
+            if total > self._seen_totals[field_name]:
+                getattr(self, attribute).inc(total - self._seen_totals[field_name])
+                self._seen_totals[field_name] = total
+        if outputs.step_id >= 0:  # heartbeats are no steps
+            self.iteration_tokens.observe(outputs.num_scheduled_tokens)
+            self.step_duration.observe(outputs.step_duration_s)
+            self.batch_occupancy.observe(outputs.num_running / self._max_num_seqs)
+        for phases in self._lifecycle.observe(outputs):
+            for histogram, seconds in ((self.request_queue_time, phases.queue_s),
+                                       (self.request_prefill_time, phases.prefill_s),
+                                       (self.request_decode_time, phases.decode_s)):
+                if seconds is not None:
+                    histogram.observe(seconds)
+
+    def on_protocol_error(self) -> None:
+        self.protocol_errors.inc()
+
+    def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, ("model_name",), registry=self.registry).labels(self._model_name)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, ("model_name",), registry=self.registry).labels(self._model_name)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, ("model_name",), buckets=buckets,
+                         registry=self.registry).labels(self._model_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from frontend.chat_template import render_chat_template
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                        "cls_token", "mask_token")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+_SENTENCEPIECE_SPACE = "\u2581"
 
 
 class Tokenizer:
@@ -25,6 +28,10 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
         self.eos_token_id = self._id_of(self.special_tokens.get("eos_token"))
+        decoder_types = _decoder_types(json.loads(backend.to_str()).get("decoder"))
+        self._byte_level = "ByteLevel" in decoder_types
+        self._sentencepiece = bool({"ByteFallback", "Metaspace"} & decoder_types)
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -62,8 +69,57 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even when they are only part of a UTF-8 character."""
+        found = self._token_bytes.get(token_id)
+        if found is None:
+            found = self._token_bytes[token_id] = self._piece_bytes(token_id)
+        return found
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (logprobs): its bytes, with U+FFFD where they split a character."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:  # beyond the tokenizer's vocabulary (a padded embedding row)
+            return b""
+        if self._byte_level and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        if self._sentencepiece:
+            match = _BYTE_PIECE.fullmatch(piece)
+            if match:
+                return bytes([int(match.group(1), 16)])
+            return piece.replace(_SENTENCEPIECE_SPACE, " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet: printable Latin-1 bytes stand for themselves, every other byte
+    for chr(256 + n), n counting those bytes in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet, num_shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + num_shifted)] = byte
+            num_shifted += 1
+    return alphabet
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def _decoder_types(decoder: dict[str, Any] | None) -> set[str]:
+    """The types of a tokenizer.json decoder and of the members of a Sequence decoder."""
+    if not isinstance(decoder, dict):
+        return set()
+    members = decoder.get("decoders") or []
+    return {decoder.get("type", "")} | {m.get("type", "") for m in members if isinstance(m, dict)}
 
 
 def _special_tokens(config: dict[str, Any]) -> dict[str, str]:

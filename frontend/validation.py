@@ -9,7 +9,7 @@ from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from frontend.tokenizer import Tokenizer
 from proto.errors import ValidationError
-from proto.sampling import SamplingParams
+from proto.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
@@ -28,36 +28,44 @@ class GenerationJob:
     """Everything the frontend needs to run one validated request."""
 
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # n choices; logprobs / prompt_logprobs -1 when not asked
     stop: list[str]
     stream: bool
     include_usage: bool
+    echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
 
 
 def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> GenerationJob:
-    _reject_unsupported(request)
-    if request.echo:
-        raise bad_request("echo is not supported", "echo")
+    """`logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too."""
+    _check_choices(request)
+    if request.echo and request.stream:
+        raise bad_request("echo is not supported with stream: send stream=false to get the prompt "
+                          "echoed", "echo")
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if request.logprobs is not None:
-        raise bad_request("logprobs are not supported", "logprobs")
+    logprobs = _check_num_logprobs(request.logprobs, "logprobs")
     prompt_ids = completion_prompt_ids(request.prompt, tokenizer, limits.vocab_size)
     room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
     default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits)
+    echo_text = _echo_text(request.prompt, prompt_ids, tokenizer) if request.echo else None
+    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
+    return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits,
+                logprob_fields, echo_text)
 
 
 def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> GenerationJob:
-    _reject_unsupported(request)
-    if request.logprobs or request.top_logprobs:
-        raise bad_request("logprobs are not supported", "logprobs")
+    """`logprobs: true`: each token's logprob, plus the top `top_logprobs` alternatives."""
+    _check_choices(request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    top_logprobs = _check_num_logprobs(request.top_logprobs, "top_logprobs")
     if request.tools:
         raise bad_request("tools are not supported", "tools")
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request.add_generation_prompt)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages")
-    return _job(request, prompt_ids, _or(max_tokens, room), limits)
+    logprobs = max(top_logprobs, 0) if request.logprobs else -1
+    return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs})
 
 
 def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -110,11 +118,31 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
 
 
-def _reject_unsupported(request: SamplingFields) -> None:
-    if request.n not in (None, 1):
-        raise bad_request(f"n must be 1 (this server returns one choice per request), got {request.n}", "n")
-    if request.best_of not in (None, 1):
-        raise bad_request(f"best_of must be 1, got {request.best_of}", "best_of")
+def _check_choices(request: SamplingFields) -> None:
+    n = _or(request.n, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    if request.best_of not in (None, 1, n):
+        raise bad_request(f"best_of must equal n ({n}): this server returns every choice it "
+                          f"generates, got best_of {request.best_of}", "best_of")
+
+
+def _check_num_logprobs(value: int | None, param: str) -> int:
+    """The number of top alternatives asked for; -1 when `value` is None."""
+    if value is None:
+        return -1
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}", param)
+    return value
+
+
+def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
+    """The prompt as the client sent it when that was text, else its token ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: ModelLimits,
@@ -131,21 +159,24 @@ def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: Mo
     return limits.max_model_len - num_prompt
 
 
-def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int,
-         limits: ModelLimits) -> GenerationJob:
+def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits: ModelLimits,
+         logprob_fields: dict[str, int], echo_text: str | None = None) -> GenerationJob:
     stream_options = request.stream_options
     return GenerationJob(
         prompt_token_ids=prompt_ids,
-        sampling_params=_sampling_params(request, max_tokens, limits.vocab_size),
+        sampling_params=_sampling_params(request, max_tokens, limits.vocab_size, logprob_fields),
         stop=_stop_strings(request.stop),
         stream=bool(request.stream),
         include_usage=bool(request.stream and stream_options and stream_options.include_usage),
+        echo_text=echo_text,
     )
 
 
-def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
+def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
+                     logprob_fields: dict[str, int]) -> SamplingParams:
     try:
         params = SamplingParams(
+            n=_or(request.n, 1),
             max_tokens=max_tokens,
             temperature=_or(request.temperature, 1.0),
             top_p=_or(request.top_p, 1.0),
@@ -159,6 +190,7 @@ def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int) 
             ignore_eos=request.ignore_eos,
             stop_token_ids=tuple(request.stop_token_ids or ()),
             logit_bias=_logit_bias(request.logit_bias),
+            **logprob_fields,
         )
         params.validate(vocab_size)
     except ValidationError as exc:

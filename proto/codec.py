@@ -90,6 +90,7 @@ def _check_shapes(message: object) -> None:
     elif isinstance(message, messages.StepOutputs):
         _check_outputs(message)
     elif isinstance(message, messages.StepResult):
+        _need(message.rank >= 0, f"StepResult.rank must be >= 0, got {message.rank}")
         _check_logprobs("StepResult", message, None)
     elif isinstance(message, messages.AddRequest):
         _need(len(message.prompt_token_ids) > 0, "AddRequest.prompt_token_ids is empty")
@@ -131,7 +132,7 @@ def _check_plan(plan: messages.StepPlan) -> None:
                  "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seeds", "history_num_prompt"):
         _need(len(getattr(plan, name)) == n, f"StepPlan.{name} needs {n} entries")
-    for name in ("num_logprobs", "num_prompt_logprobs"):
+    for name in ("num_logprobs", "num_prompt_logprobs", "next_prompt_token_ids"):
         _need(len(getattr(plan, name)) in (0, n), f"StepPlan.{name} needs 0 or {n} entries")
     _need(bool((plan.num_scheduled_tokens >= 1).all()), "StepPlan schedules a member with no tokens")
     _need(bool((plan.num_computed_tokens >= 0).all()), "StepPlan has negative num_computed_tokens")

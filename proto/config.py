@@ -43,6 +43,12 @@ class EngineConfig:
     step_timeout_s: float = 120.0
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # Across devices and nodes: tensor_parallel_size ranks spread evenly over nnodes supervisors.
+    nnodes: int = 1
+    node_rank: int = 0  # node 0 runs the frontend, the scheduler and ranks 0..workers_per_node-1
+    master_addr: str = ""  # node 0's address as every node reaches it; required when nnodes > 1
+    master_port: int = 29500  # torch.distributed rendezvous; the ZMQ step channels use the next ports
+    devices: tuple[int, ...] = ()  # this node's GPU per local worker; () = 0, 1, ... (GPU) or none (CPU)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,6 +68,39 @@ class EngineConfig:
                      "long_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValidationError(f"{name} must be >= 0, got {getattr(self, name)}", name)
+        self._validate_placement()
+
+    def _validate_placement(self) -> None:
+        """Nodes, ranks and devices; each message says what is wrong and how to fix it."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValidationError(
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}", "node_rank")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValidationError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple "
+                                  f"of nnodes {self.nnodes} (the same number of workers on every node)",
+                                  "tensor_parallel_size")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValidationError(f"nnodes={self.nnodes} needs master_addr: the address of node 0 "
+                                  "that every node can reach (--master-addr)", "master_addr")
+        top_port = self.master_port + 1 + self.tensor_parallel_size
+        if self.master_port < 1 or top_port > 65535:
+            raise ValidationError(f"master_port must leave room for ports {self.master_port}.."
+                                  f"{top_port} below 65536, got {self.master_port}", "master_port")
+        if self.devices and len(self.devices) != self.workers_per_node:
+            raise ValidationError(f"devices lists {len(self.devices)} devices {list(self.devices)} for "
+                                  f"{self.workers_per_node} workers on this node", "devices")
+        if len(set(self.devices)) != len(self.devices) or any(d < 0 for d in self.devices):
+            raise ValidationError(f"devices must be distinct non-negative indices, got {list(self.devices)}",
+                                  "devices")
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks this node's supervisor starts."""
+        return range(self.node_rank * self.workers_per_node, (self.node_rank + 1) * self.workers_per_node)
 
     def with_updates(self, **changes: object) -> "EngineConfig":
         return replace(self, **changes)
@@ -77,4 +116,5 @@ class EngineConfig:
         if unknown:
             raise ValidationError(f"unknown config fields: {sorted(unknown)}")
         raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
+        raw["devices"] = tuple(raw.get("devices", ()))
         return cls(**raw)

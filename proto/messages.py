@@ -94,6 +94,9 @@ class StepPlan:
     history_num_prompt: np.ndarray  # int32 [num_seqs] how many leading history tokens are prompt
     num_logprobs: np.ndarray = field(default_factory=_i32)  # int32 [num_seqs] top-k of sampled; -1 none
     num_prompt_logprobs: np.ndarray = field(default_factory=_i32)  # int32 [num_seqs]; -1 none
+    # int32 [num_seqs]: the prompt token at position num_computed + num_scheduled when that position
+    # is a prompt token and the member asks for prompt logprobs, else -1 (see StepResult).
+    next_prompt_token_ids: np.ndarray = field(default_factory=_i32)
 
     ARRAY_DTYPES = {
         "input_ids": np.int32, "num_computed_tokens": np.int32, "num_scheduled_tokens": np.int32,
@@ -103,7 +106,7 @@ class StepPlan:
         "frequency_penalty": np.float32, "seeds": np.int64, "bias_rows": np.int32,
         "bias_token_ids": np.int32, "bias_values": np.float32, "cu_history": np.int32,
         "history_token_ids": np.int32, "history_num_prompt": np.int32,
-        "num_logprobs": np.int32, "num_prompt_logprobs": np.int32,
+        "num_logprobs": np.int32, "num_prompt_logprobs": np.int32, "next_prompt_token_ids": np.int32,
     }
 
     @property
@@ -113,12 +116,25 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Rank 0's answer: one token per member with sample_mask set, in batch order.
+    """Rank 0's answer: one token per member with sample_mask set, in batch order. Every other
+    rank answers too, with no tokens and no entries: an acknowledgement that names its `rank`, so
+    a rank that does not answer a step can be named.
 
     Logprob entries (only for members that asked): entry e is the log-probability of token
     lp_token_ids[e] at sequence position lp_positions[e] of member lp_rows[e], with its top
-    alternatives in lp_top_*[lp_cu_top[e]:lp_cu_top[e+1]]. Sampled tokens and prompt tokens
-    (prompt_logprobs) use the same format; a position below the prompt length is a prompt token.
+    alternatives in lp_top_*[lp_cu_top[e]:lp_cu_top[e+1]] (descending). They come from the raw
+    model logits (log_softmax before logit_bias, penalties, temperature, top-k/top-p), as vLLM's
+    default. Prompt-token entries come first (by member, then position), then sampled-token
+    entries (batch order). For a member with c = num_computed_tokens, s = num_scheduled_tokens:
+      - num_logprobs = k >= 0 and sample_mask: one entry for the sampled token, position c + s.
+      - num_prompt_logprobs = k >= 0: one entry for each position p in [c + 1, c + s - 1] (the
+        chunk's tokens after its first), plus p = c + s when next_prompt_token_ids >= 0 (the
+        first token of the next chunk, predicted by this chunk's last row). Position 0 never
+        gets one. So a prompt of P tokens prefilled from position 0, in any chunks, gets exactly
+        one entry per position 1..P-1 when the scheduler (a) asks only while c + s <= P,
+        (b) sets next_prompt_token_ids to prompt[c + s] when c + s < P, else -1, and (c) computes
+        the prompt from position 0 (no prefix-cache hit) and drops entries it already forwarded
+        (recomputation after preemption).
     """
 
     step_id: int
@@ -131,6 +147,7 @@ class StepResult:
     lp_cu_top: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))  # int32 [E + 1]
     lp_top_token_ids: np.ndarray = field(default_factory=_i32)  # int32 [total_top]
     lp_top_logprobs: np.ndarray = field(default_factory=_f32)  # float32 [total_top]
+    rank: int = 0  # the tensor-parallel rank that answers
 
     ARRAY_DTYPES = {"sampled_token_ids": np.int32, **_LOGPROB_DTYPES}
 

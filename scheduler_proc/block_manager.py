@@ -1,119 +1,163 @@
-"""Paged KV block accounting: which request owns which KV block; the worker owns the tensors.
+"""Paged KV block accounting per sequence, with prefix caching: the worker owns the tensors.
 
-Prefix-caching seam (not built yet): free blocks leave the pool in the order they entered it,
-so the pool is already an LRU eviction queue; blocks carry reference counts, so a cached full
-block can later be shared by several tables. What is missing is the hash chain of full blocks,
-a hash -> block map, and taking a cached block out of the middle of the pool on a hit.
+A sequence's block table maps its token positions to KV blocks. Full blocks whose KV has been
+computed are published in the prefix cache (BlockPool) under a key chained from the first block,
+so another sequence with the same leading tokens takes them instead of recomputing them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from scheduler_proc.block_pool import BlockPool, extend_block_keys
 from scheduler_proc.request import Request, RequestStatus
 
 
-class FreeBlockPool:
-    """FIFO of free block ids (a ring buffer): the least recently freed block is handed out first."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._ring = np.arange(num_blocks, dtype=np.int32)  # int32 [num_blocks]
-        self._head = 0
-        self._count = num_blocks
-
-    def __len__(self) -> int:
-        return self._count
-
-    def pop(self, count: int) -> np.ndarray:
-        assert count <= self._count, f"pool has {self._count} free blocks, asked for {count}"
-        positions = np.arange(self._head, self._head + count)  # int64 [count]
-        block_ids = np.take(self._ring, positions, mode="wrap")  # int32 [count]
-        self._head = (self._head + count) % len(self._ring)
-        self._count -= count
-        return block_ids
-
-    def push(self, block_ids: np.ndarray) -> None:
-        tail = self._head + self._count
-        np.put(self._ring, np.arange(tail, tail + len(block_ids)), block_ids, mode="wrap")
-        self._count += len(block_ids)
-
-    def block_ids(self) -> np.ndarray:
-        positions = np.arange(self._head, self._head + self._count)
-        return np.take(self._ring, positions, mode="wrap")  # int32 [num_free]
-
-
 class BlockManager:
-    """Hands out fixed-size KV blocks to requests and takes them back.
+    """Hands out KV blocks to sequences and takes them back; blocks are reference counted and
+    shared (prefix-cache hits, sibling choices), and only full, computed blocks are ever shared,
+    so no sequence writes a block another one reads.
 
-    Invariant (check_invariants): every block is either in the free pool with ref count 0, or
-    in exactly one request's block table with ref count 1; free + held == num_blocks.
+    Invariant (check_invariants): each block's reference count equals the number of tables that
+    hold it; a block held by no table is free (possibly cached); the pool's own invariants hold.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._pool = FreeBlockPool(num_blocks)
-        self._ref_counts = np.zeros(num_blocks, dtype=np.int32)  # int32 [num_blocks]
-        self._holders: dict[str, Request] = {}  # requests holding at least one block
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache_queries_total = 0  # tokens looked up at admission
+        self.prefix_cache_hits_total = 0  # of those, tokens found
+        self._holders: dict[tuple[str, int], Request] = {}  # sequences holding at least one block
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._pool)
+        """Blocks no sequence holds, cached ones included (they are reclaimable)."""
+        return self.pool.num_free
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
-        return 1.0 - len(self._pool) / self.num_blocks
+        """Fraction of blocks held by sequences, 0..1."""
+        return 1.0 - self.pool.num_free / self.num_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_blocks_to_allocate(self, request: Request, num_tokens: int) -> int:
-        """Blocks `request` lacks to hold `num_tokens` tokens in total."""
-        return max(0, self.blocks_for_tokens(num_tokens) - len(request.block_table))
+    def computed_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the KV of `request`'s leading full blocks, for a sequence with no blocks.
 
-    def allocate(self, request: Request, num_tokens: int) -> bool:
-        """Grow request's block table to hold num_tokens tokens in total; all or nothing."""
-        needed = self.num_blocks_to_allocate(request, num_tokens)
-        if needed == 0:
-            return True
-        if needed > len(self._pool):
-            return False
-        block_ids = self._pool.pop(needed)
-        self._ref_counts[block_ids] += 1
-        request.block_table.extend(block_ids)
-        self._holders[request.request_id] = request
+        With prefix caching: the longest chain of its block keys found in the cache. Without it:
+        a sibling choice forks choice 0's computed prompt blocks. Either way at least one token
+        is left to compute, so the step that finishes the prefill has logits to sample from.
+        """
+        assert len(request.block_table) == 0, f"{request} already holds blocks"
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.enable_prefix_caching:
+            if not request.may_read_prefix_cache or max_blocks == 0:
+                return []
+            extend_block_keys(request.block_keys, request.token_ids, max_blocks, self.block_size)
+            block_ids = []
+            for key in request.block_keys[:max_blocks]:
+                block_id = self.pool.lookup(key)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+            return block_ids
+        leader = request.leader
+        if leader is None or leader.status is not RequestStatus.RUNNING:
+            return []
+        num_computed_prompt = min(leader.num_computed_tokens, leader.num_prompt_tokens)
+        num_shared = min(max_blocks, num_computed_prompt // self.block_size)
+        return leader.block_ids[:num_shared].tolist()
+
+    def allocate(self, request: Request, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Grow the table to hold `num_tokens` tokens in total, first taking the shared `prefix`
+        blocks (from computed_prefix, only for an empty table); all or nothing."""
+        table = request.block_table
+        num_new = -(-num_tokens // self.block_size) - len(table) - len(prefix)
+        if not prefix:
+            if num_new <= 0:
+                return True
+            if num_new > self.pool.num_free:
+                return False
+        else:
+            num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
+            if max(num_new, 0) + num_revived > self.pool.num_free:
+                return False
+            self.pool.share(list(prefix))
+            table.extend(prefix)
+            if self.enable_prefix_caching:
+                request.num_cached_blocks = len(prefix)
+        if num_new > 0:
+            table.extend(self.pool.take(num_new))
+        self._table_changed(request)
+        self._holders[request.key] = request
         return True
 
-    def free(self, request: Request) -> None:
-        """Return all of request's blocks to the pool (a no-op if it holds none)."""
-        block_ids = request.block_ids
-        if len(block_ids) == 0:
+    def record_lookup(self, request: Request, num_prefix_blocks: int) -> None:
+        """Count an admitted sequence's cache lookup (in tokens); its first one is its
+        num_cached_tokens."""
+        num_hit_tokens = num_prefix_blocks * self.block_size if self.enable_prefix_caching else 0
+        if self.enable_prefix_caching and request.may_read_prefix_cache:
+            self.prefix_cache_queries_total += request.num_tokens
+            self.prefix_cache_hits_total += num_hit_tokens
+        if not request.was_scheduled:
+            request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the blocks that became full and computed (prompt or generated tokens)."""
+        num_full = request.num_computed_tokens // self.block_size
+        start = request.num_cached_blocks
+        if not self.enable_prefix_caching or num_full <= start:
             return
-        self._ref_counts[block_ids] -= 1
-        # Tail first: the end of a sequence is the least likely prefix for a later request to reuse.
-        released = block_ids[::-1]
-        self._pool.push(released[self._ref_counts[released] == 0])
+        extend_block_keys(request.block_keys, request.token_ids, num_full, self.block_size)
+        block_ids = request.block_ids[start:num_full].tolist()
+        for block_id, key in zip(block_ids, request.block_keys[start:num_full]):
+            self.pool.cache(block_id, key)
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop `request`'s references (a no-op if it holds none). Tail blocks are released first:
+        the end of a sequence is the least likely prefix for a later request, so it goes first."""
+        if len(request.block_table) == 0:
+            return
+        self.pool.release(request.block_ids[::-1].tolist())
         request.block_table.clear()
-        del self._holders[request.request_id]
+        request.num_cached_blocks = 0
+        self._table_changed(request)
+        del self._holders[request.key]
+
+    def _table_changed(self, request: Request) -> None:
+        request.block_ids = request.block_table.view
+        request.num_kv_slots = len(request.block_table) * self.block_size
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any block is lost, duplicated or owned twice."""
-        free_ids = self._pool.block_ids()
-        tables = [r.block_ids for r in self._holders.values()]
-        held_ids = np.concatenate(tables) if tables else np.empty(0, dtype=np.int32)
-        assert len(free_ids) + len(held_ids) == self.num_blocks, (
-            f"{len(free_ids)} free + {len(held_ids)} held != {self.num_blocks} blocks")
-        every = np.concatenate([free_ids, held_ids])
-        assert bool(((every >= 0) & (every < self.num_blocks)).all()), "block id out of range"
-        assert len(np.unique(every)) == self.num_blocks, "a block is free and held, or held twice"
-        assert bool((self._ref_counts[free_ids] == 0).all()), "a free block has a reference"
-        assert bool((self._ref_counts[held_ids] == 1).all()), "a held block's ref count is not 1"
-        for request_id, request in self._holders.items():
-            assert request.request_id == request_id and len(request.block_ids) > 0
-            assert request.status is not RequestStatus.WAITING, f"waiting {request_id} holds blocks"
-            capacity = len(request.block_ids) * self.block_size
+        """Raise AssertionError if a reference count, the cache map or the free queue is off."""
+        self.pool.check_invariants()
+        counts = np.zeros(self.num_blocks, dtype=np.int64)  # int64 [num_blocks]
+        for key, request in self._holders.items():
+            table = request.block_table.view
+            assert np.array_equal(request.block_ids, table), f"{request.label} block_ids is stale"
+            assert request.key == key and len(table) > 0, f"{key} is listed as a holder without blocks"
+            assert request.status in (RequestStatus.RUNNING, RequestStatus.FINISHED), (
+                f"{request.status.value} {request.label} holds blocks")
+            assert len(np.unique(table)) == len(table), f"{request.label} holds a block twice"
+            np.add.at(counts, table, 1)
+            capacity = len(table) * self.block_size
+            assert request.num_kv_slots == capacity, f"{request.label} num_kv_slots is stale"
             assert request.num_computed_tokens <= capacity, (
-                f"{request_id} has {request.num_computed_tokens} computed tokens in {capacity} slots")
+                f"{request.label} has {request.num_computed_tokens} computed tokens in {capacity} slots")
+            assert request.num_cached_blocks * self.block_size <= request.num_computed_tokens
+            for index, block_id in enumerate(table.tolist()):
+                cached_key = self.pool.key_of(block_id)  # a cached block must hold exactly this prefix
+                assert cached_key is None or (index < request.num_cached_blocks
+                                              and cached_key == request.block_keys[index]), (
+                    f"{request.label} block {index} ({block_id}) is cached under another prefix")
+        refs = np.array([self.pool.ref_count(b) for b in range(self.num_blocks)], dtype=np.int64)
+        bad = np.flatnonzero(refs != counts)
+        assert len(bad) == 0, f"block {bad[:5].tolist()} ref counts {refs[bad[:5]].tolist()} != holders"

@@ -11,15 +11,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.config import EngineConfig
-from proto.messages import AddRequest, StepOutputs, StepPlan, StepResult
+from proto.messages import (EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED, EVENT_SCHEDULED, AddRequest,
+                            StepOutputs, StepPlan, StepResult)
 from scheduler_proc.admission import rejection_reason
 from scheduler_proc.block_manager import BlockManager
-from scheduler_proc.outputs import HEARTBEAT_STEP_ID, OutputBuffer, SchedulerStats
+from scheduler_proc.choices import make_choices
+from scheduler_proc.logprobs import entries_error, forward_entries
+from scheduler_proc.outputs import HEARTBEAT_STEP_ID, OutputBuffer, OutputOwner, SchedulerStats
 from scheduler_proc.plan_builder import build_plan
-from scheduler_proc.policy import ScheduledSeq, make_policy
+from scheduler_proc.plan_constants import PlanConstants
+from scheduler_proc.policy import make_policy
 from scheduler_proc.queues import RequestQueues
-from scheduler_proc.request import Request, RequestStatus, max_num_kv_tokens
-from scheduler_proc.stop import check_stop, logit_biases, stop_token_set
+from scheduler_proc.request import Request, RequestStatus
+from scheduler_proc.scheduled_batch import ScheduledBatch
+from scheduler_proc.stop import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -31,28 +36,30 @@ class StepMismatchError(RuntimeError):
 @dataclass(frozen=True)
 class _InFlightStep:
     step_id: int
-    seqs: list[ScheduledSeq]
+    batch: ScheduledBatch
     num_sampled: int
-    num_scheduled_tokens: int
     started_s: float  # time.perf_counter() when the plan was built
 
 
 class SchedulerEngine:
-    """Owns request lifecycle (waiting -> running -> finished; running -> waiting on preemption)
-    and the KV block accounting. Plain synchronous code: the loop feeds it messages.
+    """Owns request lifecycle (waiting -> running -> finished; running -> waiting on preemption;
+    held -> waiting for sibling choices) and the KV block accounting. Plain synchronous code:
+    the loop feeds it messages.
 
-    Invariant: every request added gets exactly one output with a non-empty finish reason, after
-    which the engine forgets it. Finished requests release seat and blocks before the next
-    schedule() (a static batch keeps finished seats until the batch ends, by design).
+    Invariant: every choice of every request added gets exactly one output with a non-empty
+    finish reason (and a FINISHED event), after which the engine forgets it. Finished sequences
+    release seat and blocks before the next schedule() (a static batch keeps finished seats
+    until the batch ends, by design). Lifecycle events use the scheduler's wall clock.
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, rng: random.Random | None = None) -> None:
         self.config = config
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.queues = RequestQueues()
         self.policy = make_policy(config, self.block_manager, self.queues)
+        self.constants = PlanConstants()
         self._rng = rng or random.Random()
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, list[Request]] = {}  # unfinished choices, by request id
         self._outputs = OutputBuffer()
         self._in_flight: _InFlightStep | None = None
         self._next_step_id = 0
@@ -69,146 +76,201 @@ class SchedulerEngine:
     def num_padded_seat_steps_total(self) -> int:
         return self.policy.num_padded_seat_steps_total
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    def get_request(self, request_id: str, choice_index: int = 0) -> Request | None:
+        """The unfinished choice, or None."""
+        for request in self._requests.get(request_id, ()):
+            if request.choice_index == choice_index:
+                return request
+        return None
 
     def add(self, message: AddRequest) -> None:
-        """Queue a new request, or finish it at once with reason "error" if it can never run."""
-        request_id = message.request_id
-        if request_id in self._requests:
-            logger.warning("duplicate request id %r rejected", request_id)
-            self._outputs.add(request_id, [], "error", f"request id {request_id!r} is already in use")
-            return
+        """Queue a new request's choices, or finish each at once with "error" if it can never run."""
+        request_id, params, now = message.request_id, message.sampling_params, time.time()
         reason = rejection_reason(message, self.config, self.block_manager.num_blocks,
-                                  len(self.queues.waiting))
+                                  len(self.queues.waiting) + self.queues.num_held)
+        duplicate = request_id in self._requests
+        if duplicate:
+            logger.warning("duplicate request id %r rejected", request_id)
+            reason = f"request id {request_id!r} is already in use"
         if reason:
-            self._outputs.add(request_id, [], "error", reason)
+            for choice_index in range(params.n):
+                self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, "error", reason, now,
+                                  finished_event=not duplicate)
             return
-        params = message.sampling_params
         # A drawn seed is kept for the request's life, so recompute after preemption resamples
         # exactly the same tokens.
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        stop_ids = stop_token_set(params, self.config.eos_token_ids)
-        logit_bias, min_tokens_bias = logit_biases(params, stop_ids)
-        num_kv_tokens = max_num_kv_tokens(len(message.prompt_token_ids), params.max_tokens,
-                                          self.config.max_model_len)
-        request = Request(request_id, message.prompt_token_ids, params, seed, message.arrival_time_s,
-                          stop_ids, logit_bias, min_tokens_bias, num_kv_tokens)
-        self._requests[request_id] = request
-        self.queues.waiting.append(request)
+        choices = make_choices(message, seed, self.config)
+        for choice in choices:
+            self.constants.assign(choice)
+            self._outputs.add_event(request_id, choice.choice_index, EVENT_QUEUED, now)
+        self._requests[request_id] = list(choices)
+        self.queues.add(choices)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Finish waiting or running requests with reason "abort"; unknown ids (already finished,
-        never seen) are ignored, since the frontend may abort after the final output crossed."""
+        """Finish every unfinished choice of each request with reason "abort"; unknown ids (already
+        finished, never seen) are ignored, since the frontend may abort after the final output."""
+        now = time.time()
         for request_id in request_ids:
-            request = self._requests.get(request_id)
-            if request is not None:
-                self._finish(request, "abort")
+            for request in list(self._requests.get(request_id, ())):
+                self._finish(request, "abort", now=now)
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to compute."""
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight.step_id} is still in flight")
-        seqs = self.policy.schedule()
-        if not seqs:
+        batch = self.policy.schedule()
+        now = time.time()
+        for request in batch.newly_scheduled:
+            self._outputs.add_event(request.request_id, request.choice_index, EVENT_SCHEDULED, now)
+        for victim in self.queues.preempted:
+            self._outputs.add_event(victim.request_id, victim.choice_index, EVENT_PREEMPTED, now)
+        self.queues.preempted.clear()
+        if not batch:
             return None
-        plan = build_plan(self._next_step_id, seqs)
-        num_sampled = int(plan.sample_mask.sum())
-        self._in_flight = _InFlightStep(self._next_step_id, seqs, num_sampled, len(plan.input_ids),
-                                        time.perf_counter())
+        plan = build_plan(self._next_step_id, batch, self.constants)
+        self._in_flight = _InFlightStep(self._next_step_id, batch, sum(batch.sample), time.perf_counter())
         self._next_step_id += 1
         return plan
 
     def apply_result(self, result: StepResult) -> StepOutputs:
-        """Append sampled tokens, advance progress, run stop checks and retire finished requests."""
+        """Append sampled tokens, advance progress, publish full blocks in the prefix cache, run
+        stop checks, forward logprobs and retire finished sequences."""
         step = self._in_flight
         if step is None or result.step_id != step.step_id:
             expected = "no step" if step is None else f"step {step.step_id}"
             raise StepMismatchError(f"got a result for step {result.step_id} while {expected} is in flight")
         self._in_flight = None
-        error = result.error or self._sampled_tokens_error(result.sampled_token_ids, step.num_sampled)
+        now = time.time()
+        error = result.error or self._result_error(result, step)
         if error:
             message = f"the worker failed step {step.step_id}: {error}"
-            for seq in step.seqs:
-                if not seq.request.is_finished:
-                    self._finish(seq.request, "error", message)
+            for request in step.batch.requests:
+                if not request.is_finished:
+                    self._finish(request, "error", message, now=now)
         else:
-            self._advance(step.seqs, result.sampled_token_ids.tolist())
+            self._advance(step.batch, result, now)
         return self._outputs.build(step.step_id, self.stats(), time.perf_counter() - step.started_s,
-                                   step.num_scheduled_tokens)
+                                   step.batch.num_tokens)
 
     def fail_running(self, error_message: str) -> StepOutputs:
-        """The step in flight is lost (e.g. a worker timed out): every running request fails."""
+        """The step in flight is lost (e.g. a worker timed out): every running sequence fails."""
         step_id = HEARTBEAT_STEP_ID if self._in_flight is None else self._in_flight.step_id
         self._in_flight = None
+        now = time.time()
         for request in list(self.queues.running):
-            self._finish(request, "error", error_message)
+            self._finish(request, "error", error_message, now=now)
         return self._outputs.build(step_id, self.stats(), 0.0)
 
     def finish_all(self, error_message: str) -> StepOutputs:
-        """Fail every unfinished request (shutdown): none may end without its terminal output."""
+        """Fail every unfinished choice (shutdown): none may end without its terminal output."""
         self._in_flight = None
-        for request in list(self._requests.values()):
-            self._finish(request, "error", error_message)
+        now = time.time()
+        for request in [choice for choices in self._requests.values() for choice in choices]:
+            self._finish(request, "error", error_message, now=now)
         return self._outputs.build(HEARTBEAT_STEP_ID, self.stats(), 0.0)
 
     def drain_outputs(self) -> StepOutputs | None:
-        """Outputs that belong to no step (rejections, aborts), or None if there are none."""
+        """Outputs that belong to no step (rejections, aborts), or None if there are none;
+        pending events alone wait for the next step's outputs or heartbeat."""
         if len(self._outputs) == 0:
             return None
         return self._outputs.build(HEARTBEAT_STEP_ID, self.stats(), 0.0)
 
     def heartbeat(self) -> StepOutputs:
-        """Current stats (and any pending outputs) with step_id -1."""
+        """Current stats (and any pending outputs and events) with step_id -1."""
         return self._outputs.build(HEARTBEAT_STEP_ID, self.stats(), 0.0)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(num_running=len(self.queues.running), num_waiting=len(self.queues.waiting),
-                              kv_cache_usage=self.block_manager.usage,
+        block_manager = self.block_manager
+        return SchedulerStats(num_running=len(self.queues.running),
+                              num_waiting=len(self.queues.waiting) + self.queues.num_held,
+                              kv_cache_usage=block_manager.usage,
                               num_preemptions_total=self.queues.num_preemptions_total,
-                              num_padded_slot_steps_total=self.policy.num_padded_seat_steps_total)
+                              num_padded_slot_steps_total=self.policy.num_padded_seat_steps_total,
+                              prefix_cache_queries_total=block_manager.prefix_cache_queries_total,
+                              prefix_cache_hits_total=block_manager.prefix_cache_hits_total)
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants()
         self.queues.check_invariants(self.config.max_num_seqs)
-        queued = {r.request_id for r in self.queues.waiting} | {r.request_id for r in self.queues.running}
-        assert queued == set(self._requests), "live requests and queued requests differ"
-        for request in self._requests.values():
+        live = {r.key: r for choices in self._requests.values() for r in choices}
+        queued = {r.key for r in self.queues.waiting} | {r.key for r in self.queues.running}
+        held = {key for key, r in live.items() if r.status is RequestStatus.HELD}
+        assert queued | held == set(live) and not queued & held, "live sequences and queued ones differ"
+        assert len(held) == self.queues.num_held, f"{len(held)} held, queues count {self.queues.num_held}"
+        assert self.constants.num_live == len(live), "plan rows and live sequences differ"
+        for request in live.values():
             assert not request.is_finished and 0 <= request.num_computed_tokens <= request.num_tokens
+            leader = request.leader
+            if request.status is RequestStatus.HELD:
+                assert leader is not None and request in leader.held_siblings and not leader.is_finished
 
-    def _advance(self, seqs: list[ScheduledSeq], sampled_token_ids: list[int]) -> None:
-        sampled = iter(sampled_token_ids)
-        for seq in seqs:
-            token_id = next(sampled) if seq.sample else None
-            request = seq.request
-            if seq.is_padding or request.is_finished:
+    def _advance(self, batch: ScheduledBatch, result: StepResult, now: float) -> None:
+        """Apply one successful step to its members (the hot loop: keep it O(batch) and lean)."""
+        tokens = iter(result.sampled_token_ids.tolist())
+        outputs, block_manager = self._outputs, self.block_manager
+        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
+        # int32 [num_seqs]: each member's output row, to re-index logprob entries (only if any)
+        member_rows = np.full(len(batch), -1, dtype=np.int32) if len(result.lp_rows) else None
+        finished, add_token = RequestStatus.FINISHED, outputs.add_token
+        members = zip(batch.requests, batch.num_scheduled_tokens, batch.sample)
+        for row, (request, num_scheduled, sample) in enumerate(members):
+            token_id = next(tokens) if sample else -1
+            if request.status is finished:
                 continue  # a static batch's finished seat, or aborted while the step ran
-            request.num_computed_tokens += seq.num_scheduled_tokens
-            if token_id is None:
-                continue  # a prefill chunk that did not reach the end of the known tokens
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_scheduled
+            if caching and num_computed >= (request.num_cached_blocks + 1) * block_size:
+                block_manager.cache_full_blocks(request)
+            if (request.held_siblings or request.prompt_logprobs_pending) and num_computed >= request.num_prompt_tokens:
+                self.queues.release_held(request)  # the shared prompt's blocks are computed (and cached)
+                request.prompt_logprobs_pending = False
+            if token_id < 0:  # a prefill chunk that did not reach the end of the known tokens
+                if member_rows is not None:
+                    member_rows[row] = outputs.add(request)  # may carry prompt logprobs
+                continue
+            if request.num_tokens == request.num_prompt_tokens:
+                outputs.add_event(request.request_id, request.choice_index, EVENT_FIRST_TOKEN, now)
             request.append_output(token_id)
-            reason = check_stop(request, self.config.max_model_len)
-            if reason:
-                self._finish(request, reason, token_ids=[token_id])
-            else:
-                self._outputs.add(request.request_id, [token_id])
+            # Pre-check (a stop token, or the length limit) before the full stop rules.
+            if token_id in request.stop_token_ids or request.num_tokens >= request.length_limit:
+                reason = check_stop(request, self.config.max_model_len)
+                if reason:
+                    out_row = self._finish(request, reason, token_id=token_id, now=now)
+                    if member_rows is not None:
+                        member_rows[row] = out_row
+                    continue
+            out_row = add_token(request, token_id)
+            if member_rows is not None:
+                member_rows[row] = out_row
+        if member_rows is not None:
+            outputs.add_logprobs(forward_entries(result, batch.requests, member_rows, batch.prompt_logprob_rows))
 
-    def _sampled_tokens_error(self, token_ids: np.ndarray, num_sampled: int) -> str:
+    def _result_error(self, result: StepResult, step: _InFlightStep) -> str:
+        token_ids, num_sampled = result.sampled_token_ids, step.num_sampled
         if len(token_ids) != num_sampled:
             return f"it returned {len(token_ids)} sampled tokens for {num_sampled} sampling members"
         vocab_size = self.config.vocab_size
         if num_sampled and (int(token_ids.min()) < 0 or (vocab_size and int(token_ids.max()) >= vocab_size)):
             return f"it sampled token ids outside [0, {vocab_size}): {token_ids.min()}..{token_ids.max()}"
-        return ""
+        return entries_error(result, len(step.batch))
 
-    def _finish(self, request: Request, reason: str, error_message: str = "",
-                token_ids: list[int] | None = None) -> None:
-        """Give the request its one terminal output and release its seat and blocks now."""
-        was_running = request.status is RequestStatus.RUNNING
+    def _finish(self, request: Request, reason: str, error_message: str = "", token_id: int = -1,
+                now: float = 0.0) -> int:
+        """Give the sequence its one terminal output and release its seat and blocks now; its
+        held siblings (if it is choice 0 and still holds them) are queued. The output's row."""
+        status = request.status
+        assert status is not RequestStatus.HELD, f"{request} is held; its choice 0 finishes first"
         request.finish(reason, error_message)
-        del self._requests[request.request_id]
-        if was_running:
+        choices = self._requests[request.request_id]
+        choices.remove(request)
+        if not choices:
+            del self._requests[request.request_id]
+        if status is RequestStatus.RUNNING:
             self.policy.release(request)
         else:
             self.queues.waiting.remove(request)
-        self._outputs.add(request.request_id, token_ids or [], reason, error_message)
+        if request.held_siblings:
+            self.queues.release_held(request)
+        self.constants.release(request)
+        return self._outputs.add(request, token_id, reason, error_message, now)

@@ -40,6 +40,7 @@ class SchedulerLoop:
         self._sockets: list[zmq.Socket] = []
         self._control: zmq.Socket | None = None  # set with the others by _open_sockets
         self._outputs: zmq.Socket | None = None
+        self._fatal_error = ""  # set when a worker rank is lost: the loop ends, the stack stops
 
     def request_stop(self) -> None:
         """Ask the loop to finish; safe to call from a signal handler or another thread."""
@@ -62,6 +63,9 @@ class SchedulerLoop:
             logger.info("scheduler ready: %d KV blocks of %d tokens, %s scheduling", num_kv_blocks,
                         self.config.block_size, self.config.scheduling)
             self._serve()
+            if self._fatal_error:
+                self._fail(self._fatal_error)
+                return 3
             return 0
         except Exception as exc:
             logger.exception("scheduler loop crashed")
@@ -76,9 +80,11 @@ class SchedulerLoop:
         self._control = self._track(sockets.connect(ctx, zmq.PUSH, run_dir, sockets.CONTROL))
         self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS))
         self._outputs = self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.OUTPUTS))
-        self._plans = [self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.plan_channel(rank)))
+        # Step channels are tcp:// on the master address when the worker ranks span nodes.
+        self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, self.config,
+                                                        sockets.plan_channel(rank)))
                        for rank in range(self.config.tensor_parallel_size)]
-        self._results = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.RESULTS))
+        self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, self.config, sockets.RESULTS))
 
     def _track(self, sock: zmq.Socket) -> zmq.Socket:
         self._sockets.append(sock)
@@ -102,7 +108,7 @@ class SchedulerLoop:
             logger.exception("could not fail the unfinished requests")
 
     def _should_exit(self) -> bool:
-        return self._stopping or os.getppid() != self._parent_pid
+        return self._stopping or bool(self._fatal_error) or os.getppid() != self._parent_pid
 
     def _fail(self, message: str) -> None:
         """Log and tell the supervisor (when the control socket got as far as opening)."""
@@ -153,10 +159,9 @@ class SchedulerLoop:
             if plan is None:
                 self._idle_wait()
                 continue
-            outputs = self._run_step(plan)
-            if outputs.num_outputs or self._heartbeat_due():
-                self._send_outputs(outputs)
-        final = engine.finish_all("the scheduler is shutting down")
+            # Every step is reported, tokens or not: its stats and lifecycle events feed metrics.
+            self._send_outputs(self._run_step(plan))
+        final = engine.finish_all(self._fatal_error or "the scheduler is shutting down")
         if final.num_outputs:
             self._send_outputs(final, wait=False)
 
@@ -189,35 +194,49 @@ class SchedulerLoop:
         for rank, sock in enumerate(self._plans):
             if not self._send_frame(sock, frame, deadline):
                 return self._lost_step(f"worker rank {rank} did not take the plan of step {plan.step_id}")
-        result = self._await_result(plan.step_id, deadline)
+        result, silent = self._await_result(plan.step_id, deadline)
         if result is None:
-            return self._lost_step(f"worker rank 0 did not answer step {plan.step_id}")
+            ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+            return self._lost_step(f"worker {ranks} did not answer step {plan.step_id}")
         return self.engine.apply_result(result)
 
     def _lost_step(self, what: str) -> StepOutputs:
+        """A rank that does not take or answer a step stops the scheduler, and so the stack (the
+        group cannot step without it; recovery is future work). Running requests fail with why."""
         if self._should_exit():
             return self.engine.fail_running("the scheduler is shutting down")
-        message = f"{what} within {self.config.step_timeout_s} s"
-        logger.error("%s; failing the running requests", message)
-        return self.engine.fail_running(message)
+        self._fatal_error = f"{what} within {self.config.step_timeout_s} s (--step-timeout); stopping"
+        logger.error("%s", self._fatal_error)
+        return self.engine.fail_running(self._fatal_error)
 
-    def _await_result(self, step_id: int, deadline: float) -> StepResult | None:
+    def _await_result(self, step_id: int, deadline: float) -> tuple[StepResult | None, list[int]]:
+        """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
+        Another rank's error fails the step as rank 0's own would."""
+        num_ranks = self.config.tensor_parallel_size
+        answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
-        while not self._should_exit():
+        while len(answers) < num_ranks and not self._should_exit():
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                return None
+                break
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
                 continue
             message = self._decode(self._results.recv())
-            if isinstance(message, StepResult) and message.step_id == step_id:
-                return message
-            if isinstance(message, StepResult):
-                self._count_bad(f"discarded a result for step {message.step_id} while waiting for {step_id}")
+            if (isinstance(message, StepResult) and message.step_id == step_id
+                    and message.rank < num_ranks):
+                answers[message.rank] = message
+            elif isinstance(message, StepResult):
+                self._count_bad(f"discarded a result for step {message.step_id} from rank {message.rank} "
+                                f"while waiting for {step_id}")
             elif message is not None:
                 self._count_bad(f"unexpected {message!r:.120} on the results channel")
-        return None
+        if len(answers) < num_ranks:
+            return None, [rank for rank in range(num_ranks) if rank not in answers]
+        failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
+        if failed is not None and failed.rank != 0:
+            return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []
+        return answers[0], []
 
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""

@@ -1,70 +1,137 @@
-"""Collect per-request token deltas and finishes, then pack them into one proto StepOutputs."""
+"""Collect per-choice token deltas, finishes, lifecycle events and logprobs, then pack them into
+one proto StepOutputs."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from proto.messages import StepOutputs
+from proto.messages import EVENT_FINISHED, StepOutputs
+from scheduler_proc.logprobs import LogprobEntries, concat_entries
+from scheduler_proc.request import Request
 
 HEARTBEAT_STEP_ID = -1  # step_id of StepOutputs that belong to no step (heartbeats, flushes)
 
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    num_running: int  # sequences (choices) holding a seat
+    num_waiting: int  # sequences waiting, held siblings included
+    kv_cache_usage: float  # fraction of KV blocks held by sequences, 0..1
     num_preemptions_total: int
     num_padded_slot_steps_total: int  # static policy: seat-steps held by finished requests
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int  # tokens
+
+
+class OutputOwner(NamedTuple):
+    """Who an output belongs to when there is no Request for it (a rejected request's choice);
+    a Request has the same three attributes."""
+
+    request_id: str
+    choice_index: int
+    num_cached_tokens: int
 
 
 class OutputBuffer:
-    """Pending entries for the next StepOutputs, at most one per request."""
+    """Pending entries for the next StepOutputs: at most one output per (request, choice), each
+    with at most one new token, and every terminal output comes with a FINISHED event.
+
+    Output row i is (request_ids[i], choice_indices[i]); num_cached_tokens[i] is that choice's
+    prompt tokens served by the prefix cache at its first scheduling (the same on every output
+    of the choice, 0 before it is scheduled). A row may carry no token (a terminal output, or a
+    prefill chunk's prompt logprobs).
+
+    Lifecycle events, per choice, on the scheduler's wall clock: QUEUED when added (every choice
+    of a request at once), SCHEDULED the first time it is scheduled, FIRST_TOKEN with its first
+    output token, PREEMPTED at each preemption, FINISHED with its terminal output. A rejected
+    request's choices get FINISHED only; a duplicate request id gets no events. Events ride with
+    the next StepOutputs built (a step's outputs, or a heartbeat).
+    """
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self._request_ids: list[str] = []
-        self._token_ids: list[int] = []
-        self._num_tokens: list[int] = []
-        self._finish_reasons: list[str] = []
-        self._error_messages: list[str] = []
+        self._owners: list[Request | OutputOwner] = []  # per row
+        self._token_ids: list[int] = []  # per row: its new token, or -1 for none
+        self._finishes: dict[int, tuple[str, str]] = {}  # row -> (finish reason, error message)
+        self._event_request_ids: list[str] = []
+        self._event_choice_indices: list[int] = []
+        self._event_kinds: list[int] = []
+        self._event_times_s: list[float] = []
+        self._logprobs: list[LogprobEntries] = []
 
     def __len__(self) -> int:
-        return len(self._request_ids)
+        return len(self._owners)
 
-    def add(self, request_id: str, token_ids: list[int], finish_reason: str = "",
-            error_message: str = "") -> None:
-        self._request_ids.append(request_id)
-        self._token_ids.extend(token_ids)
-        self._num_tokens.append(len(token_ids))
-        self._finish_reasons.append(finish_reason)
-        self._error_messages.append(error_message)
+    def add(self, owner: Request | OutputOwner, token_id: int = -1, finish_reason: str = "",
+            error_message: str = "", time_s: float = 0.0, finished_event: bool = True) -> int:
+        """Queue one output (a terminal one also gets a FINISHED event at `time_s`, unless it
+        answers a duplicate request id, whose lifecycle belongs to the live request); its row."""
+        row = len(self._owners)
+        self._owners.append(owner)
+        self._token_ids.append(token_id)
+        if finish_reason:
+            self._finishes[row] = (finish_reason, error_message)
+            if finished_event:
+                self.add_event(owner.request_id, owner.choice_index, EVENT_FINISHED, time_s)
+        return row
+
+    def add_token(self, request: Request, token_id: int) -> int:
+        """add() for the common output: one new token, not terminal."""
+        self._owners.append(request)
+        self._token_ids.append(token_id)
+        return len(self._owners) - 1
+
+    def add_event(self, request_id: str, choice_index: int, kind: int, time_s: float) -> None:
+        self._event_request_ids.append(request_id)
+        self._event_choice_indices.append(choice_index)
+        self._event_kinds.append(kind)
+        self._event_times_s.append(time_s)
+
+    def add_logprobs(self, entries: LogprobEntries) -> None:
+        """Entries whose rows index this buffer's outputs."""
+        self._logprobs.append(entries)
 
     def build(self, step_id: int, stats: SchedulerStats, step_duration_s: float,
               num_scheduled_tokens: int = 0) -> StepOutputs:
         """Pack and clear the pending entries."""
-        cu_new_tokens = np.zeros(len(self._num_tokens) + 1, dtype=np.int32)  # int32 [num_outputs + 1]
-        np.cumsum(np.asarray(self._num_tokens, dtype=np.int32), out=cu_new_tokens[1:])
+        owners = self._owners
+        token_ids = np.array(self._token_ids, dtype=np.int32)  # int32 [num_outputs], -1 = none
+        has_token = token_ids >= 0  # bool [num_outputs]
+        cu_new_tokens = np.zeros(len(owners) + 1, dtype=np.int32)  # int32 [num_outputs + 1]
+        np.cumsum(has_token, out=cu_new_tokens[1:])
+        finish_reasons, error_messages = [""] * len(owners), [""] * len(owners)
+        for row, (reason, message) in self._finishes.items():
+            finish_reasons[row], error_messages[row] = reason, message
         outputs = StepOutputs(
             step_id=step_id,
-            request_ids=self._request_ids,
+            request_ids=[owner.request_id for owner in owners],
             cu_new_tokens=cu_new_tokens,
-            new_token_ids=np.array(self._token_ids, dtype=np.int32),  # int32 [total_new_tokens]
-            finish_reasons=self._finish_reasons,
-            error_messages=self._error_messages,
+            new_token_ids=token_ids[has_token],  # int32 [total_new_tokens]
+            finish_reasons=finish_reasons,
+            error_messages=error_messages,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage,
             num_preemptions_total=stats.num_preemptions_total,
             step_duration_s=step_duration_s,
             wall_time_s=time.time(),
+            choice_indices=np.array([o.choice_index for o in owners], dtype=np.int32),  # int32 [num_outputs]
+            num_cached_tokens=np.array([o.num_cached_tokens for o in owners], dtype=np.int32),
+            event_request_ids=self._event_request_ids,
+            event_choice_indices=np.array(self._event_choice_indices, dtype=np.int32),  # int32 [num_events]
+            event_kinds=np.array(self._event_kinds, dtype=np.uint8),  # uint8 [num_events]
+            event_times_s=np.array(self._event_times_s, dtype=np.float64),  # float64 [num_events]
             num_scheduled_tokens=num_scheduled_tokens,
             num_padded_slot_steps_total=stats.num_padded_slot_steps_total,
+            prefix_cache_queries_total=stats.prefix_cache_queries_total,
+            prefix_cache_hits_total=stats.prefix_cache_hits_total,
+            **concat_entries(self._logprobs).as_output_fields(),
         )
         self._reset()
         return outputs

@@ -1,4 +1,4 @@
-"""Turn the scheduled members of a step into one proto StepPlan: O(batch) numpy, no per-token loops."""
+"""Turn a ScheduledBatch into one proto StepPlan: O(batch) numpy, no per-token Python loops."""
 
 from __future__ import annotations
 
@@ -7,89 +7,126 @@ from collections.abc import Sequence
 import numpy as np
 
 from proto.messages import StepPlan
-from scheduler_proc.policy import ScheduledSeq
+from scheduler_proc.plan_constants import COLUMN, PADDING_ROW, PlanConstants
+from scheduler_proc.request import Request
+from scheduler_proc.scheduled_batch import ScheduledBatch
 from scheduler_proc.stop import active_bias
 
 _EMPTY_INT32 = np.empty(0, dtype=np.int32)
 
 
-def build_plan(step_id: int, seqs: Sequence[ScheduledSeq]) -> StepPlan:
-    """The plan every rank receives. Members keep the order of `seqs` (the batch order)."""
-    assert seqs, "a plan needs at least one member"
-    num_seqs = len(seqs)
-    requests = [seq.request for seq in seqs]
-    num_computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, num_seqs)  # [num_seqs]
-    num_scheduled = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, num_seqs)  # [num_seqs]
-    input_ids = np.concatenate([  # int32 [num_tokens]
-        s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
-        for s in seqs])
+def build_plan(step_id: int, batch: ScheduledBatch, constants: PlanConstants) -> StepPlan:
+    """The plan every rank receives. Members keep the batch order."""
+    assert len(batch), "a plan needs at least one member"
+    requests = batch.requests
+    num_seqs = len(requests)
+    num_computed = np.array(batch.num_computed_tokens, dtype=np.int32)  # int32 [num_seqs]
+    num_scheduled = np.array(batch.num_scheduled_tokens, dtype=np.int32)  # int32 [num_seqs]
+    sample_mask = np.array(batch.sample, dtype=np.bool_)  # bool [num_seqs]
+    values, seeds = constants.gather(np.array([r.slot for r in requests], dtype=np.int64))
+    if batch.padding_rows:
+        values[batch.padding_rows] = PADDING_ROW
+        seeds[batch.padding_rows] = 0
     cu_block_ids, block_ids = _ragged([r.block_ids for r in requests])
-    sample_mask = np.fromiter((s.sample for s in seqs), np.bool_, num_seqs)  # bool [num_seqs]
-    rows = np.array([r.sampling_row for r in requests], dtype=np.float64)  # float64 [num_seqs, 7]
-    bias_rows, bias_token_ids, bias_values = _bias_triples(seqs)
-    cu_history, history_token_ids, history_num_prompt = _penalty_history(seqs)
+    num_prompt_logprobs, next_prompt_token_ids = _prompt_logprob_asks(batch)
+    samples = sample_mask & (values[:, COLUMN["has_bias"]] > 0)
+    bias_rows, bias_token_ids, bias_values = _bias_triples(requests, np.flatnonzero(samples))
+    penalised = np.flatnonzero(sample_mask & (values[:, COLUMN["has_penalties"]] > 0))
+    cu_history, history_token_ids, history_num_prompt = _penalty_history(requests, penalised)
     return StepPlan(
         step_id=step_id,
-        request_ids=[r.request_id for r in requests],
-        input_ids=input_ids,
+        request_ids=[r.label for r in requests],
+        input_ids=_input_ids(batch, num_scheduled),
         num_computed_tokens=num_computed,
         num_scheduled_tokens=num_scheduled,
         cu_block_ids=cu_block_ids,
         block_ids=block_ids,
         sample_mask=sample_mask,
-        temperature=rows[:, 0].astype(np.float32),
-        top_p=rows[:, 1].astype(np.float32),
-        top_k=rows[:, 2].astype(np.int32),
-        min_p=rows[:, 3].astype(np.float32),
-        repetition_penalty=rows[:, 4].astype(np.float32),
-        presence_penalty=rows[:, 5].astype(np.float32),
-        frequency_penalty=rows[:, 6].astype(np.float32),
-        seeds=np.fromiter((r.seed for r in requests), np.int64, num_seqs),  # int64 [num_seqs]
+        temperature=values[:, COLUMN["temperature"]].astype(np.float32),
+        top_p=values[:, COLUMN["top_p"]].astype(np.float32),
+        top_k=values[:, COLUMN["top_k"]].astype(np.int32),
+        min_p=values[:, COLUMN["min_p"]].astype(np.float32),
+        repetition_penalty=values[:, COLUMN["repetition_penalty"]].astype(np.float32),
+        presence_penalty=values[:, COLUMN["presence_penalty"]].astype(np.float32),
+        frequency_penalty=values[:, COLUMN["frequency_penalty"]].astype(np.float32),
+        seeds=seeds,
         bias_rows=bias_rows,
         bias_token_ids=bias_token_ids,
         bias_values=bias_values,
         cu_history=cu_history,
         history_token_ids=history_token_ids,
         history_num_prompt=history_num_prompt,
+        num_logprobs=values[:, COLUMN["num_logprobs"]].astype(np.int32),
+        num_prompt_logprobs=num_prompt_logprobs,
+        next_prompt_token_ids=next_prompt_token_ids,
     )
+
+
+def _input_ids(batch: ScheduledBatch, num_scheduled: np.ndarray) -> np.ndarray:
+    """int32 [num_tokens]: one-token members from the batch's list, chunks sliced from their tokens."""
+    input_ids = np.empty(batch.num_tokens, dtype=np.int32)  # int32 [num_tokens]
+    starts = np.zeros(len(num_scheduled), dtype=np.int64)  # int64 [num_seqs] offset of each member
+    np.cumsum(num_scheduled[:-1], out=starts[1:])
+    input_ids[starts[num_scheduled == 1]] = batch.single_token_ids
+    for row in batch.chunk_rows:
+        start, count = int(starts[row]), batch.num_scheduled_tokens[row]
+        position = batch.num_computed_tokens[row]
+        input_ids[start:start + count] = batch.requests[row].token_ids[position:position + count]
+    return input_ids
+
+
+def _prompt_logprob_asks(batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(num_prompt_logprobs, next_prompt_token_ids), int32 [num_seqs] each, -1 where not asked.
+
+    A member owing prompt logprobs names the prompt token right after its chunk (when there is
+    one), so the worker can score it with the chunk's last logits (see proto StepResult).
+    """
+    num_prompt_logprobs = np.full(len(batch), -1, dtype=np.int32)  # int32 [num_seqs]
+    next_prompt_token_ids = np.full(len(batch), -1, dtype=np.int32)  # int32 [num_seqs]
+    for row in batch.prompt_logprob_rows:
+        request = batch.requests[row]
+        num_prompt_logprobs[row] = request.sampling_params.prompt_logprobs
+        end = batch.num_computed_tokens[row] + batch.num_scheduled_tokens[row]
+        if end < request.num_prompt_tokens:
+            next_prompt_token_ids[row] = request.token_at(end)
+    return num_prompt_logprobs, next_prompt_token_ids
 
 
 def _ragged(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(offsets int32 [n + 1], values int32 [total]) for a list of int32 arrays."""
-    lengths = np.fromiter((len(a) for a in arrays), np.int32, len(arrays))  # int32 [n]
+    lengths = np.array([len(a) for a in arrays], dtype=np.int32)  # int32 [n]
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)  # int32 [n + 1]
     np.cumsum(lengths, out=offsets[1:])
     values = np.concatenate(arrays).astype(np.int32, copy=False) if arrays else _EMPTY_INT32
     return offsets, values
 
 
-def _bias_triples(seqs: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sparse (row, token, value) logit adjustments for the members that sample this step."""
-    rows, token_ids, values = [], [], []
-    for row, seq in enumerate(seqs):
-        if not seq.sample:
-            continue
-        bias = active_bias(seq.request)
+def _bias_triples(requests: Sequence[Request], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sparse (row, token, value) logit adjustments of the sampling members with any."""
+    row_ids, token_ids, values = [], [], []
+    for row in rows.tolist():
+        bias = active_bias(requests[row])
         if len(bias.token_ids):
-            rows.append(np.full(len(bias.token_ids), row, dtype=np.int32))
+            row_ids.append(np.full(len(bias.token_ids), row, dtype=np.int32))
             token_ids.append(bias.token_ids)
             values.append(bias.values)
-    if not rows:
+    if not row_ids:
         return _EMPTY_INT32, _EMPTY_INT32, np.empty(0, dtype=np.float32)
     # int32 [num_biases], int32 [num_biases], float32 [num_biases]
-    return np.concatenate(rows), np.concatenate(token_ids), np.concatenate(values)
+    return np.concatenate(row_ids), np.concatenate(token_ids), np.concatenate(values)
 
 
-def _penalty_history(seqs: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Prompt + output ids of sampling members with active penalties; empty ranges elsewhere."""
-    histories: list[np.ndarray] = []
-    num_prompt = np.zeros(len(seqs), dtype=np.int32)  # int32 [num_seqs]
-    for row, seq in enumerate(seqs):
-        request = seq.request
-        if seq.sample and request.sampling_params.has_penalties:
-            histories.append(request.token_ids)
-            num_prompt[row] = request.num_prompt_tokens
-        else:
-            histories.append(_EMPTY_INT32)
-    cu_history, history_token_ids = _ragged(histories)
+def _penalty_history(requests: Sequence[Request], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompt + output ids of the sampling members with active penalties; empty ranges elsewhere."""
+    num_prompt = np.zeros(len(requests), dtype=np.int32)  # int32 [num_seqs]
+    lengths = np.zeros(len(requests), dtype=np.int32)  # int32 [num_seqs]
+    histories = []
+    for row in rows.tolist():
+        request = requests[row]
+        histories.append(request.token_ids)
+        lengths[row] = request.num_tokens
+        num_prompt[row] = request.num_prompt_tokens
+    cu_history = np.zeros(len(requests) + 1, dtype=np.int32)  # int32 [num_seqs + 1]
+    np.cumsum(lengths, out=cu_history[1:])
+    history_token_ids = np.concatenate(histories) if histories else _EMPTY_INT32  # int32 [total_history]
     return cu_history, history_token_ids, num_prompt

@@ -1,47 +1,44 @@
-"""Scheduling policies: which requests compute how many tokens this step.
+"""Scheduling policies: which sequences compute how many tokens this step.
 
 One rule for both: a member gets its remaining tokens (num_tokens - num_computed_tokens) within
-the step's token budget, which covers decode (1 token), chunked prefill and recompute after
-preemption alike. The policies differ only in who may hold a seat.
+the step's token budget, which covers decode (1 token), chunked prefill, prefix-cache hits and
+recompute after preemption alike. The policies differ only in who may hold a seat.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from proto.config import EngineConfig
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.request import Request, RequestStatus
+from scheduler_proc.scheduled_batch import ScheduledBatch
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One batch member of a step: tokens [num_computed_tokens, +num_scheduled_tokens)."""
-
-    request: Request
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    sample: bool  # reaches the end of the known tokens, so the worker samples the next one
-    is_padding: bool = False  # a finished request's seat in a static batch; result discarded
-
-
-def schedule_member(request: Request, budget: int, block_manager: BlockManager) -> ScheduledSeq | None:
-    """Give `request` up to `budget` of its remaining tokens with KV blocks for them; None if
-    the blocks are not there (nothing is allocated then)."""
-    start = request.num_computed_tokens
-    num_tokens = min(request.num_remaining_tokens, budget)
-    assert num_tokens > 0, f"{request} has nothing to compute"
-    if not block_manager.allocate(request, start + num_tokens):
-        return None
-    return ScheduledSeq(request, start, num_tokens, sample=start + num_tokens == request.num_tokens)
+def start_member(request: Request, prefix: list[int], num_tokens: int, batch: ScheduledBatch,
+                 block_manager: BlockManager) -> bool:
+    """Give a sequence that holds no blocks its computed `prefix` (see computed_prefix) and
+    blocks for its next `num_tokens` tokens, and add it to `batch`; False (nothing changed) when
+    the blocks are not there."""
+    num_cached_tokens = len(prefix) * block_manager.block_size
+    if not block_manager.allocate(request, num_cached_tokens + num_tokens, prefix):
+        return False
+    block_manager.record_lookup(request, len(prefix))
+    request.num_computed_tokens = num_cached_tokens
+    batch.add_first(request, num_cached_tokens, num_tokens)
+    return True
 
 
 class ContinuousPolicy:
-    """Running requests first (oldest admission first), then FCFS admission into free seats.
+    """Running sequences first (oldest admission first), then FCFS admission into free seats.
 
-    When a running request cannot get a block, the most recently admitted running request is
+    When a running sequence cannot get a block, the most recently admitted running sequence is
     preempted (possibly itself); nothing new is admitted in a step that preempted.
+
+    Fair prefill (long_prefill_token_threshold T > 0): a member with more than T tokens left to
+    compute is a long prefill; it gets at most T tokens this step, and at most
+    max_num_partial_prefills long prefills run per step. A long waiting prompt over that quota is
+    skipped for this step, so shorter requests behind it are admitted; blocks are still strictly
+    FCFS (nobody overtakes a request that waits for blocks).
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, queues: RequestQueues) -> None:
@@ -49,56 +46,76 @@ class ContinuousPolicy:
         self.block_manager = block_manager
         self.queues = queues
         self.num_padded_seat_steps_total = 0  # always 0: continuous batches hold no padding
+        self._num_long_prefills = 0  # in the step being scheduled
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        self._num_long_prefills = 0
         num_preemptions = self.queues.num_preemptions_total
         for request in list(self.queues.running):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            seq = self._schedule_or_preempt(request, budget)
-            if seq is not None:
-                seqs.append(seq)
-                budget -= seq.num_scheduled_tokens
+            num_computed = request.num_computed_tokens
+            if request.num_tokens - num_computed == 1 and num_computed < request.num_kv_slots:
+                batch.add_decode(request)  # the common case, with nothing to decide
+                budget -= 1
+                continue
+            num_tokens = self._chunk_size(request.num_tokens - num_computed, budget)
+            if num_tokens and self._allocate_or_preempt(request, num_computed + num_tokens):
+                batch.add(request, num_computed, num_tokens)
+                budget -= num_tokens
         if self.queues.num_preemptions_total == num_preemptions:
-            self._admit(seqs, budget)
-        return seqs
+            self._admit(batch, budget)
+        return batch
 
     def release(self, request: Request) -> None:
-        """A running request finished: free its seat and blocks at once."""
+        """A running sequence finished: free its seat and blocks at once."""
         self.queues.running.remove(request)
         self.block_manager.free(request)
 
-    def _schedule_or_preempt(self, request: Request, budget: int) -> ScheduledSeq | None:
-        # Victims come from the end of the running list, so none of them is already in `seqs`.
-        while True:
-            seq = schedule_member(request, budget, self.block_manager)
-            if seq is not None:
-                return seq
-            if self.queues.preempt_newest(self.block_manager) is request:
-                return None
+    def _chunk_size(self, num_remaining: int, budget: int) -> int:
+        """Tokens for a member with `num_remaining` uncomputed tokens; 0 = not this step."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold == 0 or num_remaining <= threshold:
+            return min(num_remaining, budget)
+        if self._num_long_prefills >= self.config.max_num_partial_prefills:
+            return 0
+        self._num_long_prefills += 1
+        return min(threshold, budget)
 
-    def _admit(self, seqs: list[ScheduledSeq], budget: int) -> None:
-        queues = self.queues
-        while queues.waiting and budget > 0 and len(queues.running) < self.config.max_num_seqs:
-            seq = schedule_member(queues.waiting[0], budget, self.block_manager)
-            if seq is None:
-                break  # FCFS: the head waits for blocks, nobody overtakes it
-            queues.admit_head()
-            seqs.append(seq)
-            budget -= seq.num_scheduled_tokens
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
+        # Victims come from the end of the running list, so none of them is already in the batch.
+        while not self.block_manager.allocate(request, num_tokens):
+            if self.queues.preempt_newest(self.block_manager) is request:
+                return False
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        queues, block_manager = self.queues, self.block_manager
+        index = 0
+        while index < len(queues.waiting) and budget > 0 and len(queues.running) < self.config.max_num_seqs:
+            request = queues.waiting[index]
+            prefix = block_manager.computed_prefix(request)
+            num_remaining = request.num_tokens - len(prefix) * block_manager.block_size
+            num_tokens = self._chunk_size(num_remaining, budget)
+            if num_tokens == 0:
+                index += 1  # a long prompt over this step's quota: shorter ones behind it may go
+                continue
+            if not start_member(request, prefix, num_tokens, batch, block_manager):
+                break  # FCFS: nobody overtakes a request that waits for blocks
+            queues.admit(index)
+            budget -= num_tokens
 
 
 class StaticPolicy:
     """For comparison only: a batch forms when nothing runs and runs until its last member ends.
 
     Finished members keep their seat, their blocks and their compute, as rows of a padded
-    `model.generate` batch do: each step re-feeds the seat's last computed token at its own
-    position (same KV slot, same value) and the sampled token is discarded. Members reserve
-    KV for their whole possible length at formation, so a static batch never preempts.
+    `model.generate` batch do (see ScheduledBatch.add_padding). Members reserve KV for their
+    whole possible length at formation, so a static batch never preempts.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, queues: RequestQueues) -> None:
@@ -108,26 +125,23 @@ class StaticPolicy:
         self.seats: list[Request] = []  # the batch in seat order, finished members included
         self.num_padded_seat_steps_total = 0  # sum over steps of seats held by finished members
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self) -> ScheduledBatch:
         if not self.seats:
             self._form_batch()
         budget = self.config.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        batch = ScheduledBatch()
         for request in self.queues.running:  # live members first: padding must never starve them
             if budget == 0:
                 break
-            seq = schedule_member(request, budget, self.block_manager)
-            assert seq is not None, f"static batch ran out of its reserved KV blocks at {request}"
-            seqs.append(seq)
-            budget -= seq.num_scheduled_tokens
+            budget -= self._schedule_member(request, budget, batch)
         for request in self.seats:
             if not request.is_finished:
                 continue
             self.num_padded_seat_steps_total += 1
             if budget > 0 and request.num_computed_tokens > 0:  # a seat that never computed has no KV
-                seqs.append(self._padding(request))
+                batch.add_padding(request)
                 budget -= 1
-        return seqs
+        return batch
 
     def release(self, request: Request) -> None:
         """A member finished: it keeps its seat and blocks until the whole batch has finished."""
@@ -137,6 +151,21 @@ class StaticPolicy:
                 self.block_manager.free(seat)
             self.seats.clear()
 
+    def _schedule_member(self, request: Request, budget: int, batch: ScheduledBatch) -> int:
+        block_manager = self.block_manager
+        if len(request.block_table) == 0:  # its first step in this batch
+            prefix = block_manager.computed_prefix(request)
+            num_tokens = min(request.num_tokens - len(prefix) * block_manager.block_size, budget)
+            ok = start_member(request, prefix, num_tokens, batch, block_manager)
+        else:
+            num_computed = request.num_computed_tokens
+            num_tokens = min(request.num_tokens - num_computed, budget)
+            ok = block_manager.allocate(request, num_computed + num_tokens)
+            if ok:
+                batch.add(request, num_computed, num_tokens)
+        assert ok, f"static batch ran out of its reserved KV blocks at {request}"
+        return num_tokens
+
     def _form_batch(self) -> None:
         queues = self.queues
         reserved_blocks = 0
@@ -145,12 +174,7 @@ class StaticPolicy:
             if reserved_blocks + needed > self.block_manager.num_blocks:
                 break
             reserved_blocks += needed
-            self.seats.append(queues.admit_head())
-
-    @staticmethod
-    def _padding(request: Request) -> ScheduledSeq:
-        position = request.num_computed_tokens - 1
-        return ScheduledSeq(request, position, 1, sample=True, is_padding=True)
+            self.seats.append(queues.admit(0))
 
 
 def make_policy(config: EngineConfig, block_manager: BlockManager,

@@ -1,4 +1,4 @@
-"""The waiting queue and the running set, and the moves between them (admit, preempt, remove)."""
+"""The waiting queue and the running set, and the moves between them (admit, preempt, release held)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,26 @@ from scheduler_proc.request import Request, RequestStatus
 
 
 class RequestQueues:
-    """Waiting requests in FCFS order (preempted ones re-enter at the head) and running requests
-    in admission order (so the last one is the most recently admitted: the preemption victim)."""
+    """Waiting sequences in FCFS order (preempted ones and released siblings re-enter at the head)
+    and running sequences in admission order (so the last one is the most recently admitted: the
+    preemption victim). Held siblings are in neither; their choice 0 lists them."""
 
     def __init__(self) -> None:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_held = 0
         self.num_preemptions_total = 0
+        self.preempted: list[Request] = []  # victims not yet reported (the engine drains this)
         self._num_admissions = 0
 
-    def admit_head(self) -> Request:
-        request = self.waiting.popleft()
+    def add(self, choices: list[Request]) -> None:
+        """Queue choice 0; its siblings (if any) are held."""
+        self.waiting.append(choices[0])
+        self.num_held += len(choices) - 1
+
+    def admit(self, index: int) -> Request:
+        request = self.waiting[index]
+        del self.waiting[index]
         request.status = RequestStatus.RUNNING
         request.admission_order = self._num_admissions
         self._num_admissions += 1
@@ -27,14 +36,23 @@ class RequestQueues:
         return request
 
     def preempt_newest(self, block_manager: BlockManager) -> Request:
-        """Free the most recently admitted running request's blocks and requeue it at the head
-        of waiting; it recomputes prompt + generated tokens when it is admitted again."""
+        """Free the most recently admitted running sequence's blocks and requeue it at the head
+        of waiting; it recomputes prompt + generated tokens (minus cache hits) when admitted again."""
         victim = self.running.pop()
         block_manager.free(victim)
         victim.preempt()
         self.waiting.appendleft(victim)
         self.num_preemptions_total += 1
+        self.preempted.append(victim)
         return victim
+
+    def release_held(self, leader: Request) -> None:
+        """Queue choice 0's held siblings at the head of waiting, in choice order."""
+        siblings, leader.held_siblings = leader.held_siblings, []
+        for sibling in reversed(siblings):
+            sibling.status = RequestStatus.WAITING
+            self.waiting.appendleft(sibling)
+        self.num_held -= len(siblings)
 
     def check_invariants(self, max_num_seqs: int) -> None:
         assert all(r.status is RequestStatus.WAITING for r in self.waiting)
@@ -44,5 +62,5 @@ class RequestQueues:
         orders = [r.admission_order for r in self.running]
         assert orders == sorted(orders), "running set is not in admission order"
         assert len(self.running) <= max_num_seqs, f"{len(self.running)} running > {max_num_seqs} seats"
-        ids = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
-        assert len(ids) == len(set(ids)), "a request is queued twice"
+        keys = [r.key for r in self.waiting] + [r.key for r in self.running]
+        assert len(keys) == len(set(keys)), "a sequence is queued twice"

@@ -1,4 +1,8 @@
-"""One request's scheduler-side state: its known tokens, progress, KV block table and lifecycle."""
+"""One sequence's scheduler-side state: its known tokens, progress, KV block table and lifecycle.
+
+A request with SamplingParams.n = k runs as k sequences ("choices") that share its request_id
+and have choice_index 0..k-1; everything here is per choice.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +11,16 @@ import enum
 import numpy as np
 
 from proto.sampling import SamplingParams
-from scheduler_proc.stop import BiasTriples
+from scheduler_proc.block_pool import BlockKey
+from scheduler_proc.int32_array import Int32Array
+from scheduler_proc.stop import logit_biases, stop_token_set
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    HELD = "held"  # a sibling choice, held back until choice 0 has computed the shared prompt
     RUNNING = "running"  # holds a seat in the batch
     FINISHED = "finished"  # has its finish reason; the engine has forgotten it
-
-
-class Int32Array:
-    """A growable int32 array: amortised O(1) appends and zero-copy views of the filled prefix.
-
-    A view taken before a growth keeps showing the old contents; take a fresh one after appending.
-    """
-
-    def __init__(self, initial: np.ndarray | None = None, capacity: int = 16) -> None:
-        size = 0 if initial is None else len(initial)
-        self._data = np.empty(max(capacity, size, 1), dtype=np.int32)  # int32 [capacity]
-        self._size = 0
-        if initial is not None:
-            self.extend(initial)
-
-    def __len__(self) -> int:
-        return self._size
-
-    @property
-    def view(self) -> np.ndarray:
-        return self._data[:self._size]  # int32 [len]
-
-    def append(self, value: int) -> None:
-        self._reserve(self._size + 1)
-        self._data[self._size] = value
-        self._size += 1
-
-    def extend(self, values: np.ndarray) -> None:
-        end = self._size + len(values)
-        self._reserve(end)
-        self._data[self._size:end] = values
-        self._size = end
-
-    def clear(self) -> None:
-        self._size = 0
-
-    def _reserve(self, capacity: int) -> None:
-        if capacity > len(self._data):
-            grown = np.empty(max(capacity, 2 * len(self._data)), dtype=np.int32)
-            grown[:self._size] = self._data[:self._size]
-            self._data = grown
 
 
 def max_num_kv_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -70,42 +36,62 @@ def max_num_kv_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: in
 
 
 class Request:
-    """A request as the scheduler sees it. The known tokens are prompt + generated tokens;
+    """A sequence as the scheduler sees it. The known tokens are prompt + generated tokens;
     the scheduler hands out tokens from `num_computed_tokens` until it catches up with them.
 
-    Invariant: 0 <= num_computed_tokens <= num_tokens, and a running request's block table
-    covers at least num_computed_tokens slots. Preemption drops the blocks and resets
-    num_computed_tokens to 0 but keeps the generated tokens and the seed, so recompute
-    reproduces the same stream.
+    Invariant: 0 <= num_computed_tokens <= num_tokens, and a running sequence's block table
+    covers at least num_computed_tokens slots; its first num_cached_blocks blocks are in the
+    prefix cache. Preemption drops the blocks and resets num_computed_tokens to 0 but keeps the
+    generated tokens, the seed and the block keys, so recompute reproduces the same stream and
+    finds its surviving blocks in the cache.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: np.ndarray, sampling_params: SamplingParams,
-                 seed: int, arrival_time_s: float, stop_token_ids: frozenset[int],
-                 logit_bias: BiasTriples, min_tokens_logit_bias: BiasTriples,
-                 max_num_kv_tokens: int) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: np.ndarray, sampling_params: SamplingParams, *,
+                 seed: int, arrival_time_s: float = 0.0, eos_token_ids: tuple[int, ...] = (),
+                 max_model_len: int = 0, choice_index: int = 0, leader: Request | None = None) -> None:
         self.request_id = request_id
+        self.choice_index = choice_index
+        self.key = (request_id, choice_index)
+        self.label = f"{request_id}#{choice_index}" if choice_index else request_id  # plan member name
         self.sampling_params = sampling_params
-        self.seed = seed  # the seed actually used: the client's, or one drawn at add time
+        self.seed = seed  # this choice's seed: derived from the client's, or from one drawn at add time
         self.arrival_time_s = arrival_time_s
-        self.stop_token_ids = stop_token_ids  # stop_token_ids plus EOS unless ignore_eos
-        self.logit_bias = logit_bias
-        self.min_tokens_logit_bias = min_tokens_logit_bias  # logit_bias + stop tokens at -inf
-        self.sampling_row = _sampling_row(sampling_params)
-        self.max_num_kv_tokens = max_num_kv_tokens
+        self.stop_token_ids = stop_token_set(sampling_params, eos_token_ids)
+        self.logit_bias, self.min_tokens_logit_bias = logit_biases(sampling_params, self.stop_token_ids)
+        self.max_num_kv_tokens = max_num_kv_tokens(len(prompt_token_ids), sampling_params.max_tokens,
+                                                   max_model_len)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.status = RequestStatus.WAITING
+        self.length_limit = self.max_num_kv_tokens + 1  # num_tokens at which it stops for length
+        self.status = RequestStatus.HELD if leader is not None else RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_tokens = len(prompt_token_ids)  # prompt + generated; kept as a field for the hot loops
+        self.last_token_id = int(prompt_token_ids[-1])
         self.finish_reason = ""
         self.error_message = ""
         self.admission_order = -1  # set on every admission; preemption picks the largest
         self.num_preemptions = 0
+        self.slot = -1  # this sequence's row in PlanConstants while it is live
+        # The KV block table; only the BlockManager writes it, and refreshes block_ids (a view of
+        # it, int32 [num_blocks_held]) and num_kv_slots (its length * block_size) with every change.
+        self.block_table = Int32Array()
+        self.block_ids = self.block_table.view
+        self.num_kv_slots = 0
+        self.block_keys: list[BlockKey] = []  # prefix-cache keys of its full blocks, computed lazily
+        self.num_cached_blocks = 0  # leading table blocks published in (or taken from) the cache
+        self.was_scheduled = False
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at its first scheduling
+        self.leader = leader  # choice 0, for a sibling choice
+        self.held_siblings: list[Request] = []  # choice 0's siblings while they are held
+        # Prompt logprobs are asked of choice 0 only (the prompt is the same for every choice),
+        # and only until the prompt has been computed once.
+        self.prompt_logprobs_pending = choice_index == 0 and sampling_params.prompt_logprobs >= 0
+        self.next_prompt_logprob_position = 1  # prompt positions below this were forwarded
         self._token_ids = Int32Array(prompt_token_ids,
                                      capacity=len(prompt_token_ids) + min(sampling_params.max_tokens, 256))
-        self._block_ids = Int32Array()
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
-                f"{self.num_tokens}, blocks={len(self._block_ids)})")
+        return (f"Request({self.label!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, blocks={len(self.block_ids)})")
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -120,51 +106,36 @@ class Request:
         return self._token_ids.view[self.num_prompt_tokens:]  # int32 [num_output_tokens]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self._token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self._token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_remaining_tokens(self) -> int:
-        return len(self._token_ids) - self.num_computed_tokens
-
-    @property
-    def last_token_id(self) -> int:
-        return int(self._token_ids.view[-1])
-
-    @property
-    def block_ids(self) -> np.ndarray:
-        return self._block_ids.view  # int32 [num_blocks_held]
-
-    @property
-    def block_table(self) -> Int32Array:
-        """Mutable table; only the BlockManager writes it."""
-        return self._block_ids
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def may_read_prefix_cache(self) -> bool:
+        """False while prompt logprobs are owed: they are never computed for cached tokens, so
+        such a prompt is computed from position 0 (its blocks are still published for others)."""
+        return not self.prompt_logprobs_pending
+
+    def token_at(self, position: int) -> int:
+        return self.last_token_id if position == self.num_tokens - 1 else int(self._token_ids.view[position])
+
     def append_output(self, token_id: int) -> None:
         self._token_ids.append(token_id)
+        self.num_tokens += 1
+        self.last_token_id = token_id
 
     def preempt(self) -> None:
-        assert len(self._block_ids) == 0, "free the blocks before preempting"
+        assert len(self.block_table) == 0, "free the blocks before preempting"
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_cached_blocks = 0
         self.num_preemptions += 1
 
     def finish(self, reason: str, error_message: str = "") -> None:
-        assert not self.is_finished, f"{self.request_id} finished twice"
+        assert not self.is_finished, f"{self.label} finished twice"
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error_message = error_message
-
-
-def _sampling_row(params: SamplingParams) -> tuple[float, ...]:
-    """The plan's per-row sampling values, computed once; top_k -1 and 0 both mean off."""
-    return (params.temperature, params.top_p, float(max(params.top_k, 0)), params.min_p,
-            params.repetition_penalty, params.presence_penalty, params.frequency_penalty)

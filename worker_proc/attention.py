@@ -39,6 +39,9 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # int64 [num_decodes, max_decode_context] padded with valid slots
     decode_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_decode_context]; None = no padding
     prefills: tuple[PrefillSpan, ...]
+    # For varlen kernels (attention_varlen): the whole ragged batch at once.
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of context_lens
+    context_slots: torch.Tensor | None = None  # int64 [total_context] every member's context, packed
 
     @property
     def num_decodes(self) -> int:
@@ -57,6 +60,9 @@ def _move(value: object, device: torch.device) -> object:
 
 
 class AttentionBackend(Protocol):
+    # True when the step's AttentionMetadata must carry context_slots (built only when asked).
+    needs_packed_context: bool
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
@@ -67,6 +73,8 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     """Reference backend (CPU and GPU): SDPA over K/V gathered from the paged cache."""
+
+    needs_packed_context = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

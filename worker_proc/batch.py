@@ -30,8 +30,10 @@ class StepBatch:
                        logits_indices=self.logits_indices.to(device, non_blocking=True))
 
 
-def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int) -> StepBatch:
-    """Raises ValueError (naming the member) when a block table cannot hold the member's context."""
+def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int,
+                     packed_context: bool = False) -> StepBatch:
+    """Raises ValueError (naming the member) when a block table cannot hold the member's context.
+    packed_context also lists every member's context slots (for a gathering varlen backend)."""
     num_scheduled = plan.num_scheduled_tokens.astype(np.int64)
     num_computed = plan.num_computed_tokens.astype(np.int64)
     context_lens = num_computed + num_scheduled  # int64 [num_seqs]
@@ -62,6 +64,9 @@ def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int) -> Ste
         decode_slots=decode_slots,
         decode_mask=decode_mask,
         prefills=prefills,
+        cu_seqlens_k=torch.from_numpy(np.concatenate([[0], np.cumsum(context_lens)]).astype(np.int32)),
+        context_slots=(torch.from_numpy(_packed_context_slots(block_tables, context_lens, block_size))
+                       if packed_context else None),
     )
     sample_members = np.flatnonzero(plan.sample_mask)
     return StepBatch(
@@ -109,6 +114,15 @@ def _decode_context(block_tables: np.ndarray, context_lens: np.ndarray,
         return slots, None
     mask = torch.from_numpy(offsets < context_lens[:, None])[:, None, None, :]
     return slots, mask
+
+
+def _packed_context_slots(block_tables: np.ndarray, context_lens: np.ndarray,
+                          block_size: int) -> np.ndarray:
+    """int64 [total_context]: positions 0..context_len-1 of every member, in batch order, as slots."""
+    members = np.repeat(np.arange(len(context_lens)), context_lens)
+    starts = np.cumsum(context_lens) - context_lens
+    positions = np.arange(len(members)) - starts[members]
+    return block_tables[members, positions // block_size] * block_size + positions % block_size
 
 
 def _prefill_span(block_table: np.ndarray, token_start: int, num_computed: int, context_len: int,

@@ -14,7 +14,7 @@ from worker_proc.model_config import ModelConfig
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype,
                        tp_size: int) -> int:
     """Bytes one block takes on one rank: K and V, every layer."""
-    kv_heads = parallel.divide(model.num_kv_heads, tp_size, "num_key_value_heads")
+    kv_heads = parallel.kv_heads_per_rank(model.num_kv_heads, tp_size)
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_layers * block_size * kv_heads * model.head_dim * element_bytes
 
@@ -49,7 +49,7 @@ class KVCache:
 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       tp_size: int, device: torch.device) -> KVCache:
-    kv_heads = parallel.divide(model.num_kv_heads, tp_size, "num_key_value_heads")
+    kv_heads = parallel.kv_heads_per_rank(model.num_kv_heads, tp_size)
     shape = (num_blocks, block_size, kv_heads, model.head_dim)
     # Zeros, not empty: a freshly allocated slot never holds NaN bit patterns.
     k_blocks = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]

@@ -33,8 +33,9 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     _exit_with_parent(parent_pid, stop)
     name = f"worker{rank}"
     context = zmq.Context()
-    plans = sockets.connect(context, zmq.PULL, config.runtime_dir, sockets.plan_channel(rank))
-    results = sockets.connect(context, zmq.PUSH, config.runtime_dir, sockets.RESULTS)
+    # The step channels are tcp:// to node 0 when the ranks span nodes; control stays on this node.
+    plans = sockets.connect_channel(context, zmq.PULL, config, sockets.plan_channel(rank))
+    results = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
     control = sockets.connect(context, zmq.PUSH, config.runtime_dir, sockets.CONTROL)
     control.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
     try:
@@ -50,16 +51,17 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     detail = f"model={config.model} num_kv_blocks={runner.num_kv_blocks}"
     sockets.send(control, ProcessReady(name=name, pid=os.getpid(), detail=detail))
     try:
-        serve(runner, plans, results, rank, stop, parent_pid)
+        serve(runner, plans, results, stop, parent_pid)
     finally:
         context.destroy(linger=0)
     log.info("%s stopped", name)
     return 0
 
 
-def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq.Socket, rank: int,
+def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq.Socket,
           stop: threading.Event, parent_pid: int) -> None:
-    """Execute plans until SIGTERM or the parent dies; bad frames and failed steps never end it."""
+    """Execute plans until SIGTERM or the parent dies; bad frames and failed steps never end it.
+    Every rank answers every step: rank 0 with the tokens, the others with an acknowledgement."""
     num_protocol_errors = 0
     while not stop.is_set():
         frame = sockets.recv_ready(plans, POLL_TIMEOUT_S)
@@ -76,20 +78,18 @@ def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq
             num_protocol_errors += 1
             log.error("dropped a bad frame (%d so far): %s", num_protocol_errors, exc)
             continue
-        result = execute_step(runner, plan)
-        if rank == 0:
-            sockets.send(results, result)
+        sockets.send(results, execute_step(runner, plan))
 
 
 def execute_step(runner: ModelRunner | NullModelRunner, plan: StepPlan) -> StepResult:
     """A failed step becomes an error result, so the scheduler fails its requests instead of hanging."""
     try:
-        tokens = runner.execute(plan)
-        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, error="")
+        return runner.execute(plan)
     except Exception as exc:
         log.exception("step %d failed", plan.step_id)
         return StepResult(step_id=plan.step_id, sampled_token_ids=np.empty(0, dtype=np.int32),
-                          error=f"worker step {plan.step_id} failed: {type(exc).__name__}: {exc}")
+                          error=f"worker step {plan.step_id} failed: {type(exc).__name__}: {exc}",
+                          rank=runner.rank)
 
 
 def _exit_with_parent(parent_pid: int, stop: threading.Event) -> None:

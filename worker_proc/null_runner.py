@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from proto.config import EngineConfig
-from proto.messages import StepPlan
+from proto.messages import StepPlan, StepResult
 from worker_proc.kv_cache import num_kv_blocks_for
+from worker_proc.logprobs import LogprobEntries, concat_entries, prompt_targets, sampled_asks
 from worker_proc.model_config import DTYPES, parse_model_config
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 # When neither num_kv_blocks nor a model config.json is given, size blocks as for a Llama-3-8B-like
 # model (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes) so the block count stays realistic.
 _NOMINAL_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+NULL_OTHER_LOGPROB = -30.0  # every token but the chosen one: e^-30 * vocab is still ~0
 
 
 class NullModelRunner:
@@ -37,8 +39,13 @@ class NullModelRunner:
         log.info("rank %d null model: vocab %d, %d KV blocks (none allocated)", rank,
                  self.vocab_size, self.num_kv_blocks)
 
-    def execute(self, plan: StepPlan) -> np.ndarray:
-        """int32 [num_sampled]: one token per sample_mask member, in batch order."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """One token per sample_mask member, in batch order, plus well-formed logprob entries
+        (same positions as the real runner; see _null_entries) for the members that ask. Like
+        the real runner, only rank 0 answers with tokens."""
+        if self.rank != 0:
+            return StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, np.int32), error="",
+                              rank=self.rank)
         members = np.flatnonzero(plan.sample_mask)
         positions = (plan.num_computed_tokens[members].astype(np.uint64)
                      + plan.num_scheduled_tokens[members].astype(np.uint64))
@@ -49,7 +56,32 @@ class NullModelRunner:
             if not is_eos.any():
                 break
             tokens = np.where(is_eos, (tokens + 1) % self.vocab_size, tokens)
-        return tokens.astype(np.int32)
+        targets = prompt_targets(plan)
+        asks = sampled_asks(plan, members)
+        entries = concat_entries([
+            _null_entries(targets.members, targets.positions, targets.token_ids, targets.num_top,
+                          self.vocab_size),
+            _null_entries(members[asks], positions[asks].astype(np.int64), tokens[asks],
+                          plan.num_logprobs[members[asks]] if asks.any() else np.zeros(0, np.int64),
+                          self.vocab_size)])
+        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.astype(np.int32), error="",
+                          rank=self.rank, **entries.as_result_fields())
+
+
+def _null_entries(members: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
+                  num_top: np.ndarray, vocab_size: int) -> LogprobEntries:
+    """The null model is sure of its token: logprob 0.0; the top-k are the token and the ids after
+    it (mod vocab) at NULL_OTHER_LOGPROB, so the distribution still sums to ~1."""
+    num_top = np.minimum(num_top.astype(np.int64), vocab_size)  # int64 [num_entries]
+    cu_top = np.zeros(len(members) + 1, dtype=np.int32)
+    np.cumsum(num_top, out=cu_top[1:])
+    rank_in_top = np.arange(int(cu_top[-1])) - np.repeat(cu_top[:-1], num_top)  # 0 = the token
+    top_ids = (np.repeat(token_ids.astype(np.int64), num_top) + rank_in_top) % vocab_size
+    return LogprobEntries(
+        rows=members.astype(np.int32), positions=positions.astype(np.int32),
+        token_ids=token_ids.astype(np.int32), logprobs=np.zeros(len(members), dtype=np.float32),
+        cu_top=cu_top, top_token_ids=top_ids.astype(np.int32),
+        top_logprobs=np.where(rank_in_top == 0, 0.0, NULL_OTHER_LOGPROB).astype(np.float32))
 
 
 def _mix(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
 import torch
 
 from proto.config import EngineConfig
-from proto.messages import StepPlan
+from proto.messages import StepPlan, StepResult
 from worker_proc import parallel
-from worker_proc.attention import TorchPagedAttention
+from worker_proc.attention_varlen import attention_backend_for
 from worker_proc.batch import StepBatch, build_step_batch
+from worker_proc.devices import bind_worker
 from worker_proc.kv_cache import allocate_kv_cache, num_kv_blocks_for
 from worker_proc.layers.linear import cpu_prepack_available
 from worker_proc.loader import load_model
+from worker_proc.logprobs import (PromptTargets, compute_entries, concat_entries, prompt_targets,
+                                  sampled_asks)
 from worker_proc.model_config import DTYPES
 from worker_proc.null_runner import NullModelRunner
 from worker_proc.sampler import sample, sampling_batch_from_plan
@@ -24,37 +26,24 @@ from worker_proc.sampler import sample, sampling_batch_from_plan
 log = logging.getLogger(__name__)
 
 
-def num_threads_for(config: EngineConfig) -> int:
-    if config.num_threads > 0:
-        return config.num_threads
-    # The affinity mask, not the machine, is what this process may use (containers, taskset).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // config.tensor_parallel_size)
-
-
-def pick_device() -> torch.device:
-    """The supervisor pins a worker to one GPU via CUDA_VISIBLE_DEVICES, so it is always cuda:0."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class ModelRunner:
     """Owns one rank's model weights and KV cache tensors. Every rank executes every plan (the
     collectives need all of them); only rank 0's tokens are sent back."""
 
     def __init__(self, config: EngineConfig, rank: int, show_progress: bool = True) -> None:
-        torch.set_num_threads(num_threads_for(config))
-        parallel.init_parallel(rank, config.tensor_parallel_size, config.runtime_dir)
+        self.device = bind_worker(config, rank)
+        parallel.init_parallel(rank, config)
         self.config = config
         self.rank = rank
-        self.device = pick_device()
         started = time.perf_counter()
         log.info("rank %d loading model from %s (%s, %d threads)", rank, config.model, config.dtype,
                  torch.get_num_threads())
-        self.model = load_model(config.model, config.dtype, TorchPagedAttention(), self.device,
+        dtype = DTYPES[config.dtype]
+        self.attention = attention_backend_for(self.device, dtype, config.block_size)
+        self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_available():
             self.model.pack_for_cpu()
-        dtype = DTYPES[config.dtype]
         self.num_kv_blocks = num_kv_blocks_for(config, self.model.config, dtype)
         self.kv_cache = allocate_kv_cache(self.model.config, self.num_kv_blocks, config.block_size,
                                           dtype, config.tensor_parallel_size, self.device)
@@ -63,16 +52,45 @@ class ModelRunner:
                  time.perf_counter() - started, self.num_kv_blocks, config.block_size)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> np.ndarray:
-        """Run one step; returns int32 [num_sampled]: a token per sample_mask member, in batch order."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Rank 0 answers with one token per sample_mask member (batch order) and
+        the logprob entries asked for; every other rank runs the same collectives and answers
+        with nothing. The LM head runs only for sampling rows and prompt-logprob rows."""
         if plan.num_seqs == 0:
-            return np.empty(0, dtype=np.int32)
+            return empty_result(plan.step_id, self.rank)
         batch, hidden = self._forward(plan)
-        if not len(batch.sample_members):
-            return np.empty(0, dtype=np.int32)
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).cpu()
-        params = sampling_batch_from_plan(plan, batch.sample_members, batch.sample_positions)
-        return sample(logits, params).numpy().astype(np.int32)
+        targets = prompt_targets(plan)
+        rows = torch.cat([batch.logits_indices, torch.from_numpy(targets.token_rows).to(self.device)])
+        if not len(rows):
+            return empty_result(plan.step_id, self.rank)
+        logits = self.model.compute_logits(hidden[rows]).cpu()  # float32 [rows, vocab]; collective
+        if self.rank != 0:
+            return empty_result(plan.step_id, self.rank)
+        return self._answer(plan, batch, targets, logits)
+
+    def _answer(self, plan: StepPlan, batch: StepBatch, targets: PromptTargets,
+                logits: torch.Tensor) -> StepResult:
+        """logits: float32 [num_sampled + num_prompt_entries, vocab], sampling rows first."""
+        num_sampled = len(batch.sample_members)
+        sample_logits = logits[:num_sampled]
+        asks = sampled_asks(plan, batch.sample_members)  # bool [num_sampled]
+        # Taken before sample(), which adjusts the logits in place: logprobs are of the raw model.
+        raw = torch.log_softmax(sample_logits[torch.from_numpy(asks)], dim=-1) if asks.any() else None
+        tokens = torch.zeros(0, dtype=torch.int64)
+        if num_sampled:
+            params = sampling_batch_from_plan(plan, batch.sample_members, batch.sample_positions)
+            tokens = sample(sample_logits, params)
+        parts = []
+        if targets.num_entries:
+            parts.append(compute_entries(torch.log_softmax(logits[num_sampled:], dim=-1),
+                                         torch.from_numpy(targets.token_ids), targets.members,
+                                         targets.positions, targets.num_top))
+        if raw is not None:
+            members = batch.sample_members[asks]
+            parts.append(compute_entries(raw, tokens[torch.from_numpy(asks)], members,
+                                         batch.sample_positions[asks], plan.num_logprobs[members]))
+        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.numpy().astype(np.int32),
+                          error="", **concat_entries(parts).as_result_fields())
 
     @torch.inference_mode()
     def logits_for_all_tokens(self, plan: StepPlan) -> torch.Tensor:
@@ -82,9 +100,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden).cpu()
 
     def _forward(self, plan: StepPlan) -> tuple[StepBatch, torch.Tensor]:
-        batch = build_step_batch(plan, self.config.block_size, self.num_kv_blocks).to(self.device)
+        batch = build_step_batch(plan, self.config.block_size, self.num_kv_blocks,
+                                 self.attention.needs_packed_context).to(self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_views)
         return batch, hidden
+
+
+def empty_result(step_id: int, rank: int) -> StepResult:
+    return StepResult(step_id=step_id, sampled_token_ids=np.zeros(0, dtype=np.int32), error="",
+                      rank=rank)
 
 
 def create_runner(config: EngineConfig, rank: int) -> ModelRunner | NullModelRunner:

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, an assistant reply out."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n assistant replies out."""
 
 from __future__ import annotations
 
@@ -8,32 +8,57 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from frontend.choice import ChoiceDelta, ChoiceOutput
+from frontend.generation import Generation
+from frontend.logprobs import chat_logprobs
 from frontend.protocol import ChatCompletionRequest, parse_body
 from frontend.routes.serving import serve_job
 from frontend.state import get_state
+from frontend.tokenizer import Tokenizer
 from frontend.validation import chat_job
 
 router = APIRouter()
 
 
 class ChatFormat:
+    """OpenAI's chat choices; logprobs as {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def first_choice(self) -> dict[str, Any] | None:
-        # OpenAI clients take the role from the first chunk, before any content arrives.
-        return self._delta({"role": "assistant", "content": ""}, None)
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
 
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self._delta({"content": text} if text else {}, finish_reason)
+    def first_choices(self, generation: Generation) -> list[dict[str, Any]]:
+        # OpenAI clients take each choice's role from its first chunk, before any content arrives.
+        return [_delta(choice.index, {"role": "assistant", "content": ""}, None, None)
+                for choice in generation.choices]
 
-    def final_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def chunk_choice(self, generation: Generation, delta: ChoiceDelta) -> dict[str, Any] | None:
+        logprobs = None
+        if delta.token_ids and generation.choices[delta.index].wants_logprobs:
+            logprobs = chat_logprobs(self._tokenizer, delta.token_ids, delta.logprobs,
+                                     generation.job.sampling_params.logprobs)
+        if not delta.text and logprobs is None:
+            return None
+        return _delta(delta.index, {"content": delta.text} if delta.text else {}, logprobs, None)
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return _delta(index, {}, None, finish_reason)
+
+    def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]:
+        logprobs = None
+        if choice.wants_logprobs:
+            logprobs = chat_logprobs(self._tokenizer, choice.token_ids, choice.logprobs,
+                                     generation.job.sampling_params.logprobs)
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+
+def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+           finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 @router.post("/v1/chat/completions")
@@ -43,4 +68,4 @@ async def create_chat_completion(request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest)
     state.check_model(body.model)
     job = chat_job(body, state.tokenizer, state.limits)
-    return await serve_job(state, request, job, ChatFormat(), arrival_s)
+    return await serve_job(state, request, job, ChatFormat(state.tokenizer), arrival_s)

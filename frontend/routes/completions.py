@@ -1,4 +1,4 @@
-"""POST /v1/completions: a text (or token id) prompt in, a text completion out."""
+"""POST /v1/completions: a text (or token id) prompt in, n text completions out."""
 
 from __future__ import annotations
 
@@ -8,27 +8,61 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from frontend.choice import ChoiceDelta, ChoiceOutput
+from frontend.generation import Generation
+from frontend.logprobs import CompletionLogprobs, prompt_entries
 from frontend.protocol import CompletionRequest, parse_body
 from frontend.routes.serving import serve_job
 from frontend.state import get_state
+from frontend.tokenizer import Tokenizer
 from frontend.validation import completion_job
 
 router = APIRouter()
 
 
 class CompletionFormat:
+    """OpenAI's legacy completion choices; logprobs in the {tokens, token_logprobs, ...} shape."""
+
     id_prefix = "cmpl"
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def first_choice(self) -> dict[str, Any] | None:
-        return None
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream_logprobs: dict[int, CompletionLogprobs] = {}  # per choice: running text_offset
 
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def first_choices(self, generation: Generation) -> list[dict[str, Any]]:
+        return []
 
-    def final_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return self.chunk_choice(text, finish_reason)
+    def chunk_choice(self, generation: Generation, delta: ChoiceDelta) -> dict[str, Any] | None:
+        logprobs = None
+        if delta.token_ids and generation.choices[delta.index].wants_logprobs:
+            builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer))
+            logprobs = builder.build(delta.token_ids, delta.logprobs)
+        if not delta.text and logprobs is None:
+            return None
+        return _choice(delta.index, delta.text, logprobs, None)
+
+    def finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return _choice(index, "", None, finish_reason)
+
+    def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]:
+        echo_text = generation.job.echo_text
+        text = choice.text if echo_text is None else echo_text + choice.text
+        logprobs = None
+        if choice.wants_logprobs:
+            token_ids, entries = list(choice.token_ids), list(choice.logprobs)
+            if echo_text is not None:
+                prompt_ids = generation.job.prompt_token_ids
+                token_ids[:0] = prompt_ids
+                entries[:0] = prompt_entries(prompt_ids, generation.prompt_logprobs)
+            logprobs = CompletionLogprobs(self._tokenizer).build(token_ids, entries)
+        return _choice(choice.index, text, logprobs, choice.finish_reason)
+
+
+def _choice(index: int, text: str, logprobs: dict[str, Any] | None,
+            finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 @router.post("/v1/completions")
@@ -38,4 +72,4 @@ async def create_completion(request: Request) -> Response:
     body = parse_body(await request.body(), CompletionRequest)
     state.check_model(body.model)
     job = completion_job(body, state.tokenizer, state.limits)
-    return await serve_job(state, request, job, CompletionFormat(), arrival_s)
+    return await serve_job(state, request, job, CompletionFormat(state.tokenizer), arrival_s)

@@ -27,19 +27,22 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 only while the scheduler spoke recently (by our clock) and we are not draining."""
+    """200 only while the scheduler makes progress: a step or an idle heartbeat was RECEIVED within
+    the engine client's alive timeout (our clock). A hung or dead scheduler, a frontend that has
+    not heard from it yet, or a draining one: 503."""
     state = get_state(request)
     if state.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not state.engine.is_alive():
-        return JSONResponse({"status": "engine_unavailable"}, status_code=503)
+        status = "starting" if state.engine.latest_stats is None else "engine_unavailable"
+        return JSONResponse({"status": status}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = get_state(request)
-    return Response(state.metrics.render(state.engine.latest_stats), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize")

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineUnavailableError
 from frontend.errors import APIError
 from frontend.generation import Generation, abort_on_disconnect
@@ -23,17 +24,23 @@ _QUEUE_FULL = re.compile(r"queue.*full|max_num_waiting", re.IGNORECASE)
 
 
 class ResponseFormat(Protocol):
-    """How one endpoint shapes its choices; everything else about serving is shared."""
+    """How one endpoint shapes its choices; everything else about serving is shared.
+
+    One instance serves one request, so it may keep per-choice state across stream chunks.
+    """
 
     id_prefix: str
     object_name: str  # non-streaming response
     chunk_object_name: str
 
-    def first_choice(self) -> dict[str, Any] | None: ...
+    def first_choices(self, generation: Generation) -> list[dict[str, Any]]: ...
 
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def chunk_choice(self, generation: Generation, delta: ChoiceDelta) -> dict[str, Any] | None:
+        """The chunk for a step's text and logprobs; None when it has neither."""
 
-    def final_choice(self, text: str, finish_reason: str) -> dict[str, Any]: ...
+    def finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]: ...
+
+    def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]: ...
 
 
 async def serve_job(state: ServerState, request: Request, job: GenerationJob, fmt: ResponseFormat,
@@ -49,13 +56,13 @@ async def serve_job(state: ServerState, request: Request, job: GenerationJob, fm
     with state.track_request(generation):
         async with abort_on_disconnect(request.receive, generation.abort):
             try:
-                text = await generation.text()
+                await generation.run()
             except EngineUnavailableError as exc:
                 raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error") from exc
-    if generation.finish_reason in ("error", "abort"):
+    if generation.failure is not None:
         return _failure(generation).response()
     body = _envelope(state, generation, fmt.object_name)
-    body["choices"] = [fmt.final_choice(text, generation.finish_reason)]
+    body["choices"] = [fmt.final_choice(generation, choice) for choice in generation.choices]
     body["usage"] = _usage(generation)
     return JSONResponse(body)
 
@@ -72,19 +79,19 @@ async def _sse_events(state: ServerState, request: Request, generation: Generati
 
     with state.track_request(generation):
         async with abort_on_disconnect(request.receive, generation.abort):
-            first = fmt.first_choice()
-            if first is not None:
+            for first in fmt.first_choices(generation):
                 yield chunk(first)
             try:
                 async for delta in generation.deltas():
-                    if delta.text:
-                        yield chunk(fmt.chunk_choice(delta.text, None))
+                    choice = fmt.chunk_choice(generation, delta)
+                    if choice is not None:
+                        yield chunk(choice)
                     if delta.finish_reason in ("stop", "length"):
-                        yield chunk(fmt.chunk_choice("", delta.finish_reason))
+                        yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))
             except EngineUnavailableError as exc:
                 yield _sse(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error").body())
             else:
-                if generation.finish_reason in ("error", "abort"):
+                if generation.failure is not None:
                     yield _sse(_failure(generation).body())
                 elif include_usage:
                     yield _sse({**envelope, "choices": [], "usage": _usage(generation)})
@@ -93,8 +100,10 @@ async def _sse_events(state: ServerState, request: Request, generation: Generati
 
 def _failure(generation: Generation) -> APIError:
     """The error a request that did not finish normally reports (429 for a full scheduler queue)."""
-    message = generation.error_message or "the request was aborted"
-    if generation.finish_reason == "abort":
+    failed = generation.failure
+    assert failed is not None, "only a request with a failed choice has a failure"
+    message = generation.error_message or failed.error_message or "the request was aborted"
+    if failed.finish_reason == "abort":
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, "aborted")
     if _QUEUE_FULL.search(message):
         return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limit_error", None, "queue_full")
@@ -106,10 +115,12 @@ def _envelope(state: ServerState, generation: Generation, object_name: str) -> d
             "model": state.model_name}
 
 
-def _usage(generation: Generation) -> dict[str, int]:
+def _usage(generation: Generation) -> dict[str, Any]:
+    """Completion tokens of all choices; the prompt (and its cache hits) counts once."""
     return {"prompt_tokens": generation.num_prompt_tokens,
             "completion_tokens": generation.num_output_tokens,
-            "total_tokens": generation.num_prompt_tokens + generation.num_output_tokens}
+            "total_tokens": generation.num_prompt_tokens + generation.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}}
 
 
 def _sse(payload: dict[str, Any]) -> str:

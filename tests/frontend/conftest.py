@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -16,88 +16,18 @@ import numpy as np
 import pytest
 import zmq
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # frontend_fakes under importlib mode
+    sys.path.append(str(Path(__file__).resolve().parent))  # appended: never shadows `frontend`
+
+from frontend_fakes import FakeEngineClient  # noqa: E402
+
 from frontend.app import create_app
-from frontend.engine_client import EngineDelta, EngineStats
 from frontend.tokenizer import Tokenizer
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.messages import AddRequest, StepOutputs
-from proto.sampling import SamplingParams
 
 REPLY_TEXT = "Paris is the capital of France."
-
-
-@dataclass
-class AddedRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-
-
-class FakeEngineClient:
-    """An in-process engine: answers each request with `reply_token_ids`, `tokens_per_step` at a time.
-
-    It ends with "length" when max_tokens cuts the reply, else with `finish_reason`. With `hang`
-    it sends the reply but never finishes (until aborted); with `fail_with` it errors at once.
-    """
-
-    def __init__(self, reply_token_ids: list[int]) -> None:
-        self.reply_token_ids = reply_token_ids
-        self.tokens_per_step = 1
-        self.finish_reason = "stop"
-        self.fail_with = ""
-        self.hang = False
-        self.alive = True
-        self.stats: EngineStats | None = EngineStats(7, 2, 3, 0.25, 0, 0.01, 0.0)
-        self.added: list[AddedRequest] = []
-        self.aborted: list[str] = []
-        self.started = False
-        self._queues: dict[str, asyncio.Queue[EngineDelta]] = {}
-
-    async def start(self) -> None:
-        self.started = True
-
-    async def close(self) -> None:
-        self.started = False
-
-    def is_alive(self) -> bool:
-        return self.alive
-
-    @property
-    def latest_stats(self) -> EngineStats | None:
-        return self.stats
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]:
-        self.added.append(AddedRequest(request_id, list(prompt_token_ids), sampling_params))
-        queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
-        self._queues[request_id] = queue
-        for delta in self._script(sampling_params.max_tokens):
-            queue.put_nowait(delta)
-        while True:
-            delta = await queue.get()
-            yield delta
-            if delta.finish_reason:
-                self._queues.pop(request_id, None)
-                return
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        queue = self._queues.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(EngineDelta([], "abort"))
-
-    def _script(self, max_tokens: int) -> list[EngineDelta]:
-        if self.fail_with:
-            return [EngineDelta([], "error", self.fail_with)]
-        tokens = self.reply_token_ids[:max_tokens]
-        finish = "length" if len(self.reply_token_ids) >= max_tokens else self.finish_reason
-        step = self.tokens_per_step
-        deltas = [EngineDelta(tokens[i:i + step]) for i in range(0, len(tokens), step)]
-        if not self.hang:
-            last = deltas.pop() if deltas else EngineDelta([])
-            deltas.append(EngineDelta(last.token_ids, finish))
-        return deltas
 
 
 @pytest.fixture

@@ -1,75 +1,187 @@
-"""/metrics exposes token counts, latencies and scheduler gauges; /health follows heartbeats."""
+"""/metrics counts a known mix of requests exactly; /health follows the scheduler's messages."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import numpy as np
 import pytest
+from frontend_fakes import DECODE_STEP_S, PREFILL_S, QUEUE_S, STEP_DURATION_S
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.app import create_app
 from frontend.engine_client import ZmqEngineClient
+from frontend.metrics import FrontendMetrics, one_two_five_buckets, power_of_two_buckets
 from proto import codec
 from proto.messages import StepOutputs
 
 pytestmark = pytest.mark.anyio
 
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+              "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
+              "request_generation_tokens", "iteration_tokens_total", "step_duration_seconds",
+              "batch_occupancy")
 
-def heartbeat(num_running: int = 0, num_waiting: int = 0, kv_cache_usage: float = 0.0) -> bytes:
-    return codec.encode(StepOutputs(
+
+def heartbeat(num_running: int = 0, num_waiting: int = 0, kv_cache_usage: float = 0.0,
+              **totals: int) -> StepOutputs:
+    return StepOutputs(
         step_id=-1, request_ids=[], cu_new_tokens=np.zeros(1, np.int32),
         new_token_ids=np.zeros(0, np.int32), finish_reasons=[], error_messages=[],
         num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kv_cache_usage,
-        num_preemptions_total=0, step_duration_s=0.0, wall_time_s=123.0))
+        num_preemptions_total=totals.pop("num_preemptions_total", 0), step_duration_s=0.0,
+        wall_time_s=123.0, **totals)
 
 
 def samples(text: str) -> dict[str, float]:
-    """{sample name: value} of the model `tiny`, so the tests read like the exposition."""
+    """{name or name{label="value"}: value} of the model `tiny`, buckets left out."""
     found = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.labels.get("model_name") == "tiny" and "le" not in sample.labels:
-                found[sample.name] = sample.value
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            if sample.labels.get("model_name") != "tiny" or "le" in labels:
+                continue
+            suffix = "".join(f'{{{k}="{v}"}}' for k, v in sorted(labels.items()))
+            found[sample.name + suffix] = sample.value
     return found
 
 
-async def test_metrics_count_tokens_and_requests_and_copy_scheduler_gauges(client, engine):
-    for max_tokens in (3, 5):
-        await client.post("/v1/completions", json={"prompt": "The capital", "max_tokens": max_tokens})
-    response = await client.get("/metrics")
-    assert response.status_code == 200
-    values = samples(response.text)
-    num_prompt = sum(len(added.prompt_token_ids) for added in engine.added)
+def tokens_until(tokenizer, token_ids: list[int], text: str) -> int:
+    """How many tokens of `token_ids` it takes until their text contains `text`."""
+    return next(j for j in range(1, len(token_ids) + 1) if text in tokenizer.decode(token_ids[:j]))
+
+
+async def run_known_mix(client, engine) -> None:
+    """stop by EOS, stop by a stop string, length, and one aborted by the engine."""
+    await client.post("/v1/completions", json={"prompt": "The capital", "max_tokens": 50})
+    await client.post("/v1/completions", json={"prompt": "The capital", "max_tokens": 50,
+                                               "stop": " capital", "stream": True})
+    await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "The capital"}], "max_tokens": 3})
+    engine.hang = True
+    held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "The capital"}))
+    while len(engine.added) < 4:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the request reads the tokens that came before the abort
+    engine.abort(engine.added[3].request_id)
+    assert (await held).status_code == 503
+
+
+async def test_known_mix_of_requests_sets_every_counter_and_histogram_count_exactly(
+        client, engine, tokenizer):
+    engine.num_cached_tokens, engine.preempt, engine.scheduler_protocol_errors = 2, True, 2
+    await run_known_mix(client, engine)
+    engine.router.protocol_error()  # one frame of our own that failed to decode
+    values = samples((await client.get("/metrics")).text)
+
+    reply = engine.reply_token_ids
+    num_reply, num_stopped = len(reply), tokens_until(tokenizer, reply, " capital")
+    prompts = [len(added.prompt_token_ids) for added in engine.added]
+    generated = [num_reply, num_stopped, 3, min(num_reply, 16)]
+    assert values == pytest.approx({
+        **values,
+        "conveyor:num_requests_running": 2, "conveyor:num_requests_waiting": 3,
+        "conveyor:kv_cache_usage_perc": 0.25,
+        'conveyor:request_success_total{finished_reason="stop"}': 2,
+        'conveyor:request_success_total{finished_reason="length"}': 1,
+        'conveyor:request_success_total{finished_reason="abort"}': 1,
+        'conveyor:request_success_total{finished_reason="error"}': 0,
+        "conveyor:prompt_tokens_total": sum(prompts),
+        "conveyor:generation_tokens_total": sum(generated),
+        "conveyor:num_preemptions_total": 4,
+        "conveyor:prefix_cache_queries_total": sum(prompts),
+        "conveyor:prefix_cache_hits_total": 2 * 4,
+        "conveyor:protocol_errors_total": 3,
+        "conveyor:padded_slot_steps_total": 0,
+        "conveyor:time_to_first_token_seconds_count": 4,
+        "conveyor:inter_token_latency_seconds_count": sum(generated) - 4,
+        "conveyor:e2e_request_latency_seconds_count": 4,
+        "conveyor:request_prompt_tokens_count": 4,
+        "conveyor:request_prompt_tokens_sum": sum(prompts),
+        "conveyor:request_generation_tokens_count": 4,
+        "conveyor:request_generation_tokens_sum": sum(generated),
+        "conveyor:request_queue_time_seconds_count": 4,
+        "conveyor:request_queue_time_seconds_sum": 4 * QUEUE_S,
+        "conveyor:request_prefill_time_seconds_count": 4,
+        "conveyor:request_prefill_time_seconds_sum": 4 * PREFILL_S,
+        "conveyor:request_decode_time_seconds_count": 4,
+        # The EOS and stop-string replies finish at their last token (the fake engine sent the
+        # latter's whole reply at once), length at its 3rd, the aborted one a step after its last.
+        "conveyor:request_decode_time_seconds_sum":
+            DECODE_STEP_S * (2 * (num_reply - 1) + 2 + generated[3]),
+        "conveyor:iteration_tokens_total_count": engine.num_steps,
+        "conveyor:iteration_tokens_total_sum": engine.num_scheduled_tokens_total,
+        "conveyor:step_duration_seconds_count": engine.num_steps,
+        "conveyor:step_duration_seconds_sum": engine.num_steps * STEP_DURATION_S,
+        "conveyor:batch_occupancy_count": engine.num_steps,
+        "conveyor:batch_occupancy_sum": engine.num_steps * 2 / 64,  # 2 running of max_num_seqs 64
+    })
+    assert set(f"conveyor:{name}_count" for name in HISTOGRAMS) <= set(values)
+
+
+async def test_n_choices_count_one_prompt_and_every_choice(client, engine):
+    engine.choice_replies = [engine.reply_token_ids[:5], engine.reply_token_ids[:2]]
+    response = await client.post("/v1/completions", json={"prompt": "The capital", "n": 2})
+    assert response.status_code == 200, response.text
+    values = samples((await client.get("/metrics")).text)
+    num_prompt = len(engine.added[0].prompt_token_ids)
     assert values["conveyor:prompt_tokens_total"] == num_prompt
-    assert values["conveyor:generation_tokens_total"] == 8
+    assert values["conveyor:request_prompt_tokens_count"] == 1
+    assert values['conveyor:request_success_total{finished_reason="stop"}'] == 2
+    assert values["conveyor:generation_tokens_total"] == 7
     assert values["conveyor:time_to_first_token_seconds_count"] == 2
-    assert values["conveyor:e2e_request_latency_seconds_count"] == 2
-    assert values["conveyor:num_requests_running"] == 2
-    assert values["conveyor:num_requests_waiting"] == 3
-    assert values["conveyor:kv_cache_usage_perc"] == 0.25
+    assert values["conveyor:inter_token_latency_seconds_count"] == 7 - 2
+    assert values["conveyor:request_decode_time_seconds_count"] == 2
+
+
+async def test_scheduler_totals_become_counters_that_never_go_backwards():
+    metrics = FrontendMetrics("tiny")
+    for total in (5, 3, 0, 7):  # a message that does not carry a total reads as lower
+        metrics.on_step_outputs(heartbeat(num_preemptions_total=total, prefix_cache_hits_total=total))
+    values = samples(metrics.render().decode())
+    assert values["conveyor:num_preemptions_total"] == 7
+    assert values["conveyor:prefix_cache_hits_total"] == 7
+    assert values["conveyor:iteration_tokens_total_count"] == 0  # heartbeats are no steps
+
+
+async def test_frontend_decode_errors_count_as_protocol_errors(config, tokenizer):
+    engine = ZmqEngineClient("/nonexistent")  # never started: frames fed by hand
+    app = create_app(config, engine, tokenizer)
+    engine.handle_frame(b"\x93not a message")
+    engine.handle_frame(codec.encode(heartbeat(num_protocol_errors_total=2)))
+    values = samples(app.state.conveyor.metrics.render().decode())
+    assert values["conveyor:protocol_errors_total"] == 3
+
+
+def test_token_count_buckets_follow_vllms_1_2_5_and_powers_of_two():
+    assert one_two_five_buckets(128) == (1, 2, 5, 10, 20, 50, 100)
+    assert power_of_two_buckets(100) == (1, 8, 16, 32, 64, 128)
 
 
 async def test_each_app_has_its_own_metrics_registry(config, engine, tokenizer):
     first = create_app(config, engine, tokenizer).state.conveyor.metrics
     second = create_app(config, engine, tokenizer).state.conveyor.metrics
-    first.record_tokens(4)
-    assert samples(second.render(None).decode())["conveyor:generation_tokens_total"] == 0
+    first.record_choice_tokens(4, 0.1, first=True)
+    assert samples(second.render().decode())["conveyor:generation_tokens_total"] == 0
 
 
 async def test_health_follows_scheduler_heartbeats(config, tokenizer):
     engine = ZmqEngineClient("/nonexistent", alive_timeout_s=0.3)  # never started: frames fed by hand
     app = create_app(config, engine, tokenizer)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-        assert (await http.get("/health")).status_code == 503  # nothing heard yet: starting
-        engine.handle_frame(heartbeat(num_running=1, kv_cache_usage=0.5))
+        response = await http.get("/health")
+        assert (response.status_code, response.json()["status"]) == (503, "starting")
+        engine.handle_frame(codec.encode(heartbeat(num_running=1, kv_cache_usage=0.5)))
         assert (await http.get("/health")).status_code == 200
         values = samples((await http.get("/metrics")).text)
         assert values["conveyor:kv_cache_usage_perc"] == 0.5
         await asyncio.sleep(0.4)
-        assert (await http.get("/health")).status_code == 503  # heartbeats stopped
-        engine.handle_frame(heartbeat())
+        response = await http.get("/health")  # heartbeats stopped: hung or dead
+        assert (response.status_code, response.json()["status"]) == (503, "engine_unavailable")
+        engine.handle_frame(codec.encode(dataclasses.replace(heartbeat(), step_id=3)))
         assert (await http.get("/health")).status_code == 200
         app.state.conveyor.draining = True
         response = await http.get("/health")

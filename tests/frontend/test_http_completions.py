@@ -18,7 +18,8 @@ async def test_completion_returns_text_usage_and_finish_reason(client, engine, r
     num_prompt = len(engine.added[0].prompt_token_ids)
     num_reply = len(engine.reply_token_ids)
     assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": num_reply,
-                             "total_tokens": num_prompt + num_reply}
+                             "total_tokens": num_prompt + num_reply,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.added[0].sampling_params.temperature == 0.0
 
 
@@ -87,7 +88,8 @@ async def test_streamed_completion_with_include_usage_ends_with_a_usage_chunk(cl
     assert events[-1]["choices"] == []
     num_prompt = len(engine.added[0].prompt_token_ids)
     assert events[-1]["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 4,
-                                   "total_tokens": num_prompt + 4}
+                                   "total_tokens": num_prompt + 4,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_completion_returns_an_assistant_message(client, engine, reply_text, tokenizer):

@@ -54,6 +54,23 @@ def test_openai_client_streams_chat_with_usage(openai_client, reply_text):
     assert chunks[-1].usage.completion_tokens > 0
 
 
+def test_openai_client_parses_n_choices_logprobs_and_cached_tokens(openai_client, engine, reply_text):
+    engine.num_cached_tokens = 2
+    completion = openai_client.completions.create(model="tiny", prompt="The capital", max_tokens=40,
+                                                  n=2, logprobs=2, echo=True)
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.choices[1].text == "The capital" + reply_text
+    assert completion.choices[1].logprobs.token_logprobs[0] is None
+    assert "".join(completion.choices[1].logprobs.tokens) == completion.choices[1].text
+    assert completion.usage.prompt_tokens_details.cached_tokens == 2
+    chat = openai_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(item.token for item in content) == reply_text
+    assert bytes(content[0].bytes).decode() == content[0].token
+    assert len(content[0].top_logprobs) == 2
+
+
 def test_openai_client_sees_typed_errors(openai_client, live_url):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         openai_client.completions.create(model="tiny", prompt="x", temperature=-1)

@@ -11,7 +11,8 @@ import numpy as np
 
 from proto import codec
 from proto.config import EngineConfig
-from proto.messages import AddRequest, StepOutputs, StepPlan, StepResult
+from proto.messages import (EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED, EVENT_SCHEDULED,
+                            AddRequest, StepOutputs, StepPlan, StepResult)
 from proto.sampling import SamplingParams
 from scheduler_proc.engine import SchedulerEngine
 
@@ -53,15 +54,24 @@ class FakeWorker:
             error, self.fail_next_step = self.fail_next_step, ""
             return StepResult(plan.step_id, np.empty(0, dtype=np.int32), error)
         sampled = []
+        entries: list[tuple[int, int, int, int]] = []  # (row, position, token, num_top)
         offsets = np.concatenate([[0], np.cumsum(plan.num_scheduled_tokens)])
         for row, request_id in enumerate(plan.request_ids):
             start = int(plan.num_computed_tokens[row])
             end = start + int(plan.num_scheduled_tokens[row])
             table = plan.block_ids[plan.cu_block_ids[row]:plan.cu_block_ids[row + 1]]
-            self.kv_slots[self._slots(table, start, end)] = plan.input_ids[offsets[row]:offsets[row + 1]]
+            chunk = plan.input_ids[offsets[row]:offsets[row + 1]]
+            self.kv_slots[self._slots(table, start, end)] = chunk
+            if plan.num_prompt_logprobs[row] >= 0:
+                next_id = int(plan.next_prompt_token_ids[row])
+                targets = list(zip(range(start + 1, end), chunk[1:].tolist()))
+                targets += [(end, next_id)] if next_id >= 0 else []
+                entries += [(row, p, t, int(plan.num_prompt_logprobs[row])) for p, t in targets]
             if plan.sample_mask[row]:
                 sampled.append(self._sample(plan, row, request_id, table, end))
-        return StepResult(plan.step_id, np.array(sampled, dtype=np.int32), "")
+                if plan.num_logprobs[row] >= 0:
+                    entries.append((row, end, sampled[-1], int(plan.num_logprobs[row])))
+        return StepResult(plan.step_id, np.array(sampled, dtype=np.int32), "", **fake_logprobs(entries))
 
     def _slots(self, table: np.ndarray, start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
@@ -88,25 +98,86 @@ class FakeWorker:
         return default_token(request_id, position)
 
 
+def fake_logprob(token_id: int, position: int) -> float:
+    """What the fake worker reports as the logprob of `token_id` at `position`."""
+    return -((token_id * 7 + position) % 13) / 4.0
+
+
+def fake_logprobs(entries: list[tuple[int, int, int, int]]) -> dict[str, np.ndarray]:
+    """StepResult lp_* fields for (row, position, token, num_top) entries; the top-k alternatives
+    are token + 1 .. token + k."""
+    num_top = [k for _, _, _, k in entries]
+    top_ids = [t + 1 + j for _, _, t, k in entries for j in range(k)]
+    return {"lp_rows": np.array([e[0] for e in entries], np.int32),
+            "lp_positions": np.array([e[1] for e in entries], np.int32),
+            "lp_token_ids": np.array([e[2] for e in entries], np.int32),
+            "lp_logprobs": np.array([fake_logprob(t, p) for _, p, t, _ in entries], np.float32),
+            "lp_cu_top": np.concatenate([[0], np.cumsum(num_top)]).astype(np.int32),
+            "lp_top_token_ids": np.array(top_ids, np.int32),
+            "lp_top_logprobs": np.full(len(top_ids), -9.0, np.float32)}
+
+
+def choice_key(request_id: str, choice_index: int) -> str:
+    """How tests (and plans) name a choice: the request id for choice 0, "id#i" for the others."""
+    return f"{request_id}#{choice_index}" if choice_index else request_id
+
+
 class OutputLog:
     """Every StepOutputs the engine produced, checked on arrival: at most one terminal output per
-    request and nothing after it."""
+    choice and nothing after it; lifecycle events in order (QUEUED, SCHEDULED, FIRST_TOKEN once
+    each, PREEMPTED any number of times, FINISHED once and last, with the terminal output).
+    Choices are keyed by choice_key."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.error_messages: dict[str, str] = {}
+        self.num_cached_tokens: dict[str, int] = {}
+        self.events: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[tuple[int, int, float, list[int]]]] = {}  # (position, token, lp, top)
         self.messages: list[StepOutputs] = []
 
     def record(self, outputs: StepOutputs) -> None:
         outputs = codec.decode(codec.encode(outputs))
         self.messages.append(outputs)
-        for index, request_id in enumerate(outputs.request_ids):
-            assert request_id not in self.finish_reasons, f"{request_id} got an output after finishing"
-            self.tokens.setdefault(request_id, []).extend(outputs.tokens_of(index).tolist())
+        assert len(outputs.choice_indices) == len(outputs.num_cached_tokens) == outputs.num_outputs
+        keys = [choice_key(r, int(c)) for r, c in zip(outputs.request_ids, outputs.choice_indices)]
+        for index, key in enumerate(keys):
+            assert key not in self.finish_reasons, f"{key} got an output after finishing"
+            self.tokens.setdefault(key, []).extend(outputs.tokens_of(index).tolist())
+            self.num_cached_tokens.setdefault(key, int(outputs.num_cached_tokens[index]))
+            assert self.num_cached_tokens[key] == int(outputs.num_cached_tokens[index])
             if outputs.finish_reasons[index]:
-                self.finish_reasons[request_id] = outputs.finish_reasons[index]
-                self.error_messages[request_id] = outputs.error_messages[index]
+                self.finish_reasons[key] = outputs.finish_reasons[index]
+                self.error_messages[key] = outputs.error_messages[index]
+        self._record_events(outputs)
+        self._record_logprobs(outputs, keys)
+
+    def _record_events(self, outputs: StepOutputs) -> None:
+        for request_id, choice, kind in zip(outputs.event_request_ids, outputs.event_choice_indices.tolist(),
+                                            outputs.event_kinds.tolist()):
+            key = choice_key(request_id, choice)
+            seen = self.events.setdefault(key, [])
+            assert EVENT_FINISHED not in seen, f"{key} has an event after FINISHED"
+            assert kind == EVENT_PREEMPTED or kind not in seen, f"{key} got event {kind} twice"
+            assert kind in (EVENT_QUEUED, EVENT_FINISHED) or EVENT_QUEUED in seen, f"{key}: {kind} before QUEUED"
+            assert kind != EVENT_FIRST_TOKEN or EVENT_SCHEDULED in seen, f"{key}: first token before scheduled"
+            seen.append(kind)
+            assert (kind == EVENT_FINISHED) == (key in self.finish_reasons and kind == EVENT_FINISHED)
+
+    def _record_logprobs(self, outputs: StepOutputs, keys: list[str]) -> None:
+        cu_top = outputs.lp_cu_top.tolist()
+        for entry, row in enumerate(outputs.lp_rows.tolist()):
+            top = outputs.lp_top_token_ids[cu_top[entry]:cu_top[entry + 1]].tolist()
+            self.logprobs.setdefault(keys[row], []).append(
+                (int(outputs.lp_positions[entry]), int(outputs.lp_token_ids[entry]),
+                 float(outputs.lp_logprobs[entry]), top))
+
+    def check_all_finished(self) -> None:
+        """Every choice that was ever named has its terminal output and a FINISHED event."""
+        for key, kinds in self.events.items():
+            assert key in self.finish_reasons, f"{key} never finished"
+            assert kinds[-1] == EVENT_FINISHED, f"{key} events {kinds} do not end with FINISHED"
 
 
 TEST_CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
@@ -130,7 +201,8 @@ class Harness:
             prompt = 100 + np.arange(prompt) % 800
         prompt_ids = np.asarray(prompt, dtype=np.int32)  # int32 [num_prompt_tokens]
         params.setdefault("temperature", 0.0)
-        self.worker.expect(request_id, prompt_ids.tolist())
+        for choice_index in range(int(params.get("n", 1))):
+            self.worker.expect(choice_key(request_id, choice_index), prompt_ids.tolist())
         self.engine.add(AddRequest(request_id, prompt_ids, SamplingParams(**params), time.time()))
         self.engine.check_invariants()
 
@@ -160,6 +232,8 @@ class Harness:
             plan = self.step()
             if plan is None:
                 assert not self.engine.has_unfinished_requests, "idle with unfinished requests"
+                self.log.record(self.engine.heartbeat())  # events of the last idle transitions
+                self.log.check_all_finished()
                 return plans
             plans.append(plan)
         raise AssertionError(f"still running after {max_steps} steps")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from proto.messages import AddRequest
+from proto.sampling import SamplingParams
 from scheduler_fakes import FILLER_TOKEN, Harness
 
 EOS = 2
@@ -55,9 +57,11 @@ def test_a_stop_token_the_worker_failed_to_mask_does_not_stop_before_min_tokens(
 def test_a_duplicate_request_id_is_rejected_without_touching_the_live_request() -> None:
     harness = Harness()
     harness.add("a", 4, max_tokens=3)
-    harness.add("a", 4, max_tokens=3)
+    harness.step()
+    harness.engine.add(AddRequest("a", np.arange(4, dtype=np.int32), SamplingParams(max_tokens=3), 0.0))
     rejection = harness.engine.drain_outputs()
     assert rejection.finish_reasons == ["error"] and "already in use" in rejection.error_messages[0]
+    assert len(rejection.event_kinds) == 0  # the id's lifecycle events belong to the live request
     harness.run()
     assert len(harness.log.tokens["a"]) == 3
 

@@ -29,11 +29,12 @@ NUM_BLOCKS = 64
 class WorkerThread:
     """A rank that connects like a real worker, reports ready, and answers plans with FakeWorker."""
 
-    def __init__(self, context: zmq.Context, runtime_dir: str, rank: int = 0, answers: bool = True) -> None:
+    def __init__(self, context: zmq.Context, runtime_dir: str, rank: int = 0, answers: bool = True,
+                 error: str = "") -> None:
         self.fake = FakeWorker(NUM_BLOCKS, TEST_CONFIG.block_size)
         self.plans = sockets.connect(context, zmq.PULL, runtime_dir, sockets.plan_channel(rank))
         self.results = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.RESULTS)
-        self.rank, self.answers = rank, answers
+        self.rank, self.answers, self.error = rank, answers, error
         self.noise_before_next_result = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -45,7 +46,11 @@ class WorkerThread:
             frame = sockets.recv_ready(self.plans, 0.05)
             if frame is None or not self.answers:
                 continue
-            result = self.fake(codec.decode(frame))
+            plan = codec.decode(frame)
+            if self.rank:  # only rank 0 returns tokens; the others acknowledge the step
+                result = StepResult(plan.step_id, np.empty(0, np.int32), self.error, rank=self.rank)
+            else:
+                result = self.fake(plan)
             if self.noise_before_next_result:
                 self.noise_before_next_result = False
                 self.results.send(b"\xc1 not msgpack")
@@ -93,8 +98,10 @@ class Frontend:
 
 
 @contextmanager
-def running_loop(answers: bool = True, **config_changes: object) -> Iterator[tuple[SchedulerLoop, Frontend, zmq.Socket]]:
-    """A SchedulerLoop in a thread with one fake worker rank, a fake frontend and the control socket."""
+def running_loop(silent_ranks: tuple[int, ...] = (), failing_ranks: tuple[int, ...] = (),
+                 **config_changes: object) -> Iterator[tuple[SchedulerLoop, Frontend, zmq.Socket]]:
+    """A SchedulerLoop in a thread with a fake worker per rank (silent_ranks never answer a
+    step, failing_ranks answer with an error), a fake frontend and the control socket."""
     runtime_dir = sockets.make_runtime_dir()
     context = zmq.Context()
     control = sockets.bind(context, zmq.PULL, runtime_dir, sockets.CONTROL)
@@ -102,15 +109,17 @@ def running_loop(answers: bool = True, **config_changes: object) -> Iterator[tup
     loop = SchedulerLoop(config)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
-    worker = WorkerThread(context, runtime_dir, answers=answers)
-    frontend = Frontend(context, runtime_dir, worker)
+    workers = [WorkerThread(context, runtime_dir, rank, answers=rank not in silent_ranks,
+                            error="boom" if rank in failing_ranks else "")
+               for rank in range(config.tensor_parallel_size)]
+    frontend = Frontend(context, runtime_dir, workers[0])
     try:
         yield loop, frontend, control
     finally:
         loop.request_stop()
         thread.join(timeout=5)
         assert not thread.is_alive(), "the loop did not stop"
-        for closable in (frontend, worker, control):
+        for closable in (frontend, *workers, control):
             closable.close()
         context.term()
         shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -148,13 +157,26 @@ def test_abort_over_the_wire_ends_a_waiting_request() -> None:
         assert frontend.log.finish_reasons == {"long": "abort", "queued": "abort"}
 
 
-def test_a_worker_that_does_not_answer_fails_the_running_requests_not_the_loop() -> None:
-    with running_loop(answers=False, step_timeout_s=0.3) as (loop, frontend, _control):
+def test_a_rank_that_does_not_answer_a_step_fails_its_requests_and_stops_the_loop_naming_it() -> None:
+    with running_loop(silent_ranks=(1,), tensor_parallel_size=2, step_timeout_s=0.3) as (
+            loop, frontend, control):
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), ProcessReady)
         frontend.add("a", 4, max_tokens=3)
         frontend.wait_finished("a")
         assert frontend.log.finish_reasons["a"] == "error"
-        assert "worker rank 0 did not answer" in frontend.log.error_messages["a"]
+        assert "worker rank 1 did not answer step" in frontend.log.error_messages["a"]
         assert loop.engine.block_manager.num_free_blocks == NUM_BLOCKS
+        failed = codec.decode(sockets.recv_ready(control, 5.0))
+        assert isinstance(failed, ProcessFailed) and "worker rank 1 did not answer" in failed.message
+        assert "--step-timeout" in failed.message
+
+
+def test_an_error_on_another_rank_fails_the_step_like_rank_0s_own() -> None:
+    with running_loop(failing_ranks=(1,), tensor_parallel_size=2) as (_loop, frontend, _control):
+        frontend.add("a", 4, max_tokens=3)
+        frontend.wait_finished("a")
+        assert frontend.log.finish_reasons["a"] == "error"
+        assert "rank 1: boom" in frontend.log.error_messages["a"]
 
 
 def test_missing_worker_ranks_are_named_in_process_failed() -> None:

@@ -108,7 +108,7 @@ def test_bfloat16_weights_and_cache_are_used_when_asked(tiny_model_dir: Path) ->
     assert runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert runner.kv_cache.k_blocks[0].dtype == torch.bfloat16
     seq = Seq("a", [5, 6, 7, 8])
-    tokens = runner.execute(make_plan([seq], [4], BlockPool(64, block_size=4)))
+    tokens = runner.execute(make_plan([seq], [4], BlockPool(64, block_size=4))).sampled_token_ids
     assert tokens.dtype == np.int32 and tokens.shape == (1,)
 
 

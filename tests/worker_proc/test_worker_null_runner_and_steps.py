@@ -25,18 +25,18 @@ def test_null_runner_never_returns_an_eos_id() -> None:
                                           num_kv_blocks=8), rank=0)
     for context in range(1, 40):
         _, plan = decode_plan(5, context)
-        assert set(runner.execute(plan).tolist()) == {3}
+        assert set(runner.execute(plan).sampled_token_ids.tolist()) == {3}
 
 
 def test_null_runner_is_deterministic_and_ignores_batch_mates() -> None:
     config = EngineConfig(null_model=True, vocab_size=49152, eos_token_ids=(2,), num_kv_blocks=8)
     runner = NullModelRunner(config, rank=0)
     _, plan = decode_plan(6, context=9)
-    tokens = runner.execute(plan)
+    tokens = runner.execute(plan).sampled_token_ids
     assert tokens.dtype == np.int32 and tokens.shape == (6,)
-    assert np.array_equal(tokens, NullModelRunner(config, rank=0).execute(plan))
+    assert np.array_equal(tokens, NullModelRunner(config, rank=0).execute(plan).sampled_token_ids)
     _, alone = decode_plan(1, context=9, seed_offset=3)
-    assert runner.execute(alone)[0] == tokens[3]
+    assert runner.execute(alone).sampled_token_ids[0] == tokens[3]
     assert len(set(tokens.tolist())) > 1
     assert not np.isin(tokens, [2]).any()
 
@@ -72,5 +72,5 @@ def test_members_that_do_not_reach_their_end_sample_nothing(tiny_model_dir: Path
     runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
     pool = BlockPool(64, block_size=4)
     seqs = [Seq("chunk", list(range(3, 20))), Seq("whole", [7, 8, 9])]
-    tokens = runner.execute(make_plan(seqs, [5, 3], pool))
+    tokens = runner.execute(make_plan(seqs, [5, 3], pool)).sampled_token_ids
     assert tokens.shape == (1,)  # only "whole" reached the end of its known tokens

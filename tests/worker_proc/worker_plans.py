@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proto.config import EngineConfig
-from proto.messages import StepPlan
+from proto.messages import StepPlan, StepResult
 
 
 @dataclass
@@ -97,11 +97,12 @@ def make_plan(seqs: list[Seq], num_scheduled: list[int], pool: BlockPool, step_i
     )
 
 
-def advance(seqs: list[Seq], num_scheduled: list[int], plan: StepPlan, sampled: np.ndarray) -> None:
+def advance(seqs: list[Seq], num_scheduled: list[int], plan: StepPlan, result: StepResult) -> None:
     """Apply a step's outcome: computed tokens move on and sampling members get their new token."""
     for seq, n in zip(seqs, num_scheduled):
         seq.num_computed += n
-    for seq, token_id in zip([s for s, m in zip(seqs, plan.sample_mask) if m], sampled.tolist()):
+    sampled = result.sampled_token_ids.tolist()
+    for seq, token_id in zip([s for s, m in zip(seqs, plan.sample_mask) if m], sampled):
         seq.token_ids.append(int(token_id))
 
 

@@ -93,24 +93,27 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused into one matmul; heads are split across ranks."""
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections fused into one matmul; query heads are split across ranks, KV heads
+    too when there are enough, else replicated (see parallel.kv_heads_per_rank)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> None:
         tp_size = parallel.get_world_size()
         self.num_heads = parallel.divide(num_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = parallel.divide(num_kv_heads, tp_size, "num_key_value_heads")
+        self.num_kv_heads = parallel.kv_heads_per_rank(num_kv_heads, tp_size)
+        self.kv_shard = parallel.kv_head_shard(parallel.get_rank(), num_kv_heads, tp_size)
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
-        offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                        "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        offset, size, shard = {"q": (0, self.q_size, self.tp_rank),
+                               "k": (self.q_size, self.kv_size, self.kv_shard),
+                               "v": (self.q_size + self.kv_size, self.kv_size, self.kv_shard)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, shard * size, size))
 
 
 class RowParallelLinear(LinearBase):

@@ -1,0 +1,49 @@
+"""The supervisor's view of this node's GPUs (without torch) and how each worker is pinned to one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from proto.config import EngineConfig
+from proto.errors import ValidationError
+
+_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver sees
+
+
+def visible_gpus(environ: dict[str, str] | None = None, driver_dir: Path = _NVIDIA_GPUS) -> list[str]:
+    """CUDA_VISIBLE_DEVICES identifiers of the GPUs this process may use, in CUDA's order.
+
+    CUDA_VISIBLE_DEVICES, when set, is the list (indices or UUIDs; '' or '-1' = none); else every
+    GPU the NVIDIA driver lists. A machine without the driver has none.
+    """
+    env = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in env:
+        ids = [part.strip() for part in env["CUDA_VISIBLE_DEVICES"].split(",") if part.strip()]
+        return [] if ids[:1] == ["-1"] else ids
+    if driver_dir.is_dir():
+        return [str(i) for i in range(len(list(driver_dir.iterdir())))]
+    return []
+
+
+def check_devices(config: EngineConfig, gpus: list[str]) -> None:
+    """Refuse --devices that do not exist, or a GPU node with fewer GPUs than workers."""
+    wanted = list(config.devices) or list(range(config.workers_per_node))
+    if config.devices and not gpus:
+        raise ValidationError(f"--devices {','.join(map(str, config.devices))} names GPUs, but this "
+                              "machine has none visible (no NVIDIA driver, or CUDA_VISIBLE_DEVICES "
+                              "hides them); leave --devices out to run on the CPU", "devices")
+    if gpus and max(wanted) >= len(gpus):
+        raise ValidationError(f"{config.workers_per_node} workers on this node need GPUs "
+                              f"{','.join(map(str, wanted))}, but only {len(gpus)} "
+                              f"{'is' if len(gpus) == 1 else 'are'} visible ({','.join(gpus)})",
+                              "devices")
+
+
+def worker_env(config: EngineConfig, local_rank: int, gpus: list[str]) -> dict[str, str]:
+    """Environment overrides for one worker: CUDA_VISIBLE_DEVICES = its one GPU (so it is
+    cuda:0 inside); on a CPU node, nothing (the worker splits the cores itself)."""
+    if not gpus:
+        return {}
+    index = config.devices[local_rank] if config.devices else local_rank
+    return {"CUDA_VISIBLE_DEVICES": gpus[index]}

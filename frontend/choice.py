@@ -1,0 +1,87 @@
+"""One choice of a request in the frontend: its text, stop strings, tokens and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frontend.detokenizer import OutputText
+from frontend.engine_outputs import EngineDelta, TokenLogprob
+from frontend.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice adds to the response in one step; `finish_reason` is set on its last one.
+
+    `logprobs` (when the request asked for them) align with `token_ids`, the tokens this step
+    consumed, whose text may still be held back (a partial character or stop string).
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+    finish_reason: str = ""
+    error_message: str = ""
+
+
+class ChoiceOutput:
+    """One choice's own detokenizer and stop-string state.
+
+    Invariant: once `finish_reason` is set the choice is final and later engine tokens for it are
+    ignored; `engine_finished` says whether the scheduler ended it too (else it still runs there).
+    """
+
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 stop: list[str], min_tokens: int, wants_logprobs: bool) -> None:
+        self.index = index
+        self.output = OutputText(tokenizer, prompt_token_ids, stop, min_tokens)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.wants_logprobs = wants_logprobs
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob | None] = []  # aligned with token_ids when wanted
+        self.num_cached_tokens = 0
+        self.finish_reason = ""
+        self.error_message = ""
+        self.engine_finished = False
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def push(self, delta: EngineDelta) -> ChoiceDelta | None:
+        """Consume one engine delta for this choice; None when there is nothing to tell."""
+        if delta.finish_reason:
+            self.engine_finished = True
+        if self.finish_reason:
+            return None
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        text = self.output.push(delta.token_ids, final=bool(delta.finish_reason))
+        logprobs = self._align_logprobs(delta) if self.wants_logprobs else ()
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(logprobs)
+        if self.output.stopped:
+            self.finish_reason = "stop"
+        elif delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+            self.error_message = delta.error_message
+        if not (text or delta.token_ids or self.finish_reason):
+            return None
+        return ChoiceDelta(self.index, text, tuple(delta.token_ids), logprobs, self.finish_reason,
+                           self.error_message)
+
+    def end(self, finish_reason: str, error_message: str = "") -> ChoiceDelta:
+        """Finish now (abort before the engine heard of it, or the stream was cut)."""
+        self.finish_reason = finish_reason
+        self.error_message = error_message
+        return ChoiceDelta(self.index, "", finish_reason=finish_reason, error_message=error_message)
+
+    def _align_logprobs(self, delta: EngineDelta) -> tuple[TokenLogprob | None, ...]:
+        """The entry of each new token, by its sequence position (None where the engine sent none)."""
+        by_position = {entry.position: entry for entry in delta.logprobs}
+        first_position = self.num_prompt_tokens + len(self.token_ids)
+        return tuple(by_position.get(first_position + offset) for offset in range(len(delta.token_ids)))

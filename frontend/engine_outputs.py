@@ -1,0 +1,181 @@
+"""Routing of the scheduler's StepOutputs to in-flight requests, by (request id, choice index).
+
+Transport-free: the ZMQ client feeds it decoded messages, and so does the tests' fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proto.messages import StepOutputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log P(token_id) at sequence `position` (raw model logits), with the top alternatives.
+
+    A position below the prompt length is a prompt token (prompt_logprobs).
+    """
+
+    position: int
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), descending
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    """One step's news for one choice. `finish_reason` is "" until the choice's single terminal delta."""
+
+    token_ids: list[int]
+    finish_reason: str = ""
+    error_message: str = ""
+    choice_index: int = 0
+    num_cached_tokens: int = 0  # prompt tokens this choice got from the prefix cache (as reported)
+    logprobs: tuple[TokenLogprob, ...] = ()  # prompt and sampled-token entries, as they came
+    received_s: float = field(default=0.0, compare=False)  # our monotonic clock at receipt
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Scheduler state as of its last message (a step or an idle heartbeat)."""
+
+    step_id: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    step_duration_s: float
+    wall_time_s: float
+
+
+class EngineListener(Protocol):
+    """Sees every decoded StepOutputs (after routing) and every frame that failed to decode."""
+
+    def on_step_outputs(self, outputs: StepOutputs) -> None: ...
+
+    def on_protocol_error(self) -> None: ...
+
+
+class RequestRoute:
+    """One request's queue. Invariant: each choice gets exactly one terminal delta, after which
+    nothing more is queued for it; the stream ends after the last choice's terminal delta."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.num_choices = num_choices
+        self.queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
+        self.finished: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.num_choices
+
+    def put(self, delta: EngineDelta) -> None:
+        if delta.choice_index in self.finished:
+            return
+        if delta.finish_reason:
+            self.finished.add(delta.choice_index)
+        self.queue.put_nowait(delta)
+
+    def end_all(self, finish_reason: str, error_message: str = "") -> None:
+        """A terminal delta for every choice still open (abort, engine failure)."""
+        now_s = time.monotonic()
+        for index in range(self.num_choices):
+            self.put(EngineDelta([], finish_reason, error_message, index, received_s=now_s))
+
+    async def deltas(self) -> AsyncIterator[EngineDelta]:
+        num_finished = 0
+        while num_finished < self.num_choices:
+            delta = await self.queue.get()
+            num_finished += bool(delta.finish_reason)
+            yield delta
+
+
+class OutputRouter:
+    """Owns the routes of in-flight requests and the latest scheduler stats."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, RequestRoute] = {}
+        self._listeners: list[EngineListener] = []
+        self.latest_stats: EngineStats | None = None
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def add_listener(self, listener: EngineListener) -> None:
+        self._listeners.append(listener)
+
+    def open(self, request_id: str, num_choices: int) -> RequestRoute:
+        if request_id in self._routes:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        route = self._routes[request_id] = RequestRoute(num_choices)
+        return route
+
+    def discard(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """End every open choice with "abort"; False when the request had ended already."""
+        route = self._routes.pop(request_id, None)
+        if route is None:
+            return False
+        route.end_all("abort")
+        return True
+
+    def fail_all(self, message: str) -> int:
+        """End every open request with "error"; return how many there were."""
+        routes, self._routes = self._routes, {}
+        for route in routes.values():
+            route.end_all("error", message)
+        return len(routes)
+
+    def protocol_error(self) -> None:
+        for listener in self._listeners:
+            listener.on_protocol_error()
+
+    def route(self, outputs: StepOutputs, received_s: float) -> None:
+        """Queue each output for its (request, choice); outputs of ended requests are moot."""
+        self.latest_stats = EngineStats(
+            outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.kv_cache_usage,
+            outputs.num_preemptions_total, outputs.step_duration_s, outputs.wall_time_s)
+        entries = _logprobs_by_row(outputs)
+        for row, request_id in enumerate(outputs.request_ids):
+            route = self._routes.get(request_id)
+            if route is None:
+                continue
+            choice = int(outputs.choice_indices[row]) if len(outputs.choice_indices) else 0
+            if not 0 <= choice < route.num_choices:
+                logger.error("request %s has %d choices; dropping output for choice %d",
+                             request_id, route.num_choices, choice)
+                continue
+            cached = int(outputs.num_cached_tokens[row]) if len(outputs.num_cached_tokens) else 0
+            route.put(EngineDelta(outputs.tokens_of(row).tolist(), outputs.finish_reasons[row],
+                                  outputs.error_messages[row], choice, cached,
+                                  entries.get(row, ()), received_s))
+            if route.done:
+                del self._routes[request_id]
+        for listener in self._listeners:
+            listener.on_step_outputs(outputs)
+
+
+def _logprobs_by_row(outputs: StepOutputs) -> dict[int, tuple[TokenLogprob, ...]]:
+    if not len(outputs.lp_rows):
+        return {}
+    by_row: dict[int, list[TokenLogprob]] = {}
+    cu_top = outputs.lp_cu_top.tolist()
+    top_ids, top_logprobs = outputs.lp_top_token_ids.tolist(), outputs.lp_top_logprobs.tolist()
+    columns = zip(outputs.lp_rows.tolist(), outputs.lp_positions.tolist(),
+                  outputs.lp_token_ids.tolist(), outputs.lp_logprobs.tolist())
+    for entry, (row, position, token_id, logprob) in enumerate(columns):
+        start, end = cu_top[entry], cu_top[entry + 1]
+        top = tuple(zip(top_ids[start:end], top_logprobs[start:end]))
+        by_row.setdefault(row, []).append(TokenLogprob(position, token_id, logprob, top))
+    return {row: tuple(found) for row, found in by_row.items()}
+

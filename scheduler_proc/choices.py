@@ -1,0 +1,42 @@
+"""n > 1: a request's choices run as sibling sequences, each with a seed derived from the request's.
+
+How the siblings share the prompt: choice 0 is queued alone and its siblings are HELD until it
+has computed the whole prompt; then they go to the head of the waiting queue. When admitted they
+take the prompt's full blocks from the prefix cache (with caching off: choice 0's prompt blocks,
+by reference count) and compute only the rest of the prompt, at least one token, before sampling
+their own first token. Only full, computed blocks are ever shared, so no KV block is copied or
+written by two sequences; the choices differ from their first generated token on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from proto.config import EngineConfig
+from proto.messages import AddRequest
+from scheduler_proc.request import Request
+
+
+def choice_seed(seed: int, choice_index: int) -> int:
+    """Choice 0 keeps the request's seed (so an n=1 request and choice 0 of the same request with
+    n=k sample alike); choice i > 0 gets a 63-bit blake2b hash of (seed, i), the same in every
+    process and run, so a seeded request with n > 1 is reproducible."""
+    if choice_index == 0:
+        return seed
+    digest = hashlib.blake2b(struct.pack("<qq", seed, choice_index), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def make_choices(message: AddRequest, seed: int, config: EngineConfig) -> list[Request]:
+    """Choice 0 (WAITING) and its siblings (HELD, listed in choice 0's held_siblings)."""
+    params = message.sampling_params
+
+    def choice(index: int, leader: Request | None) -> Request:
+        return Request(message.request_id, message.prompt_token_ids, params, seed=choice_seed(seed, index),
+                       arrival_time_s=message.arrival_time_s, eos_token_ids=config.eos_token_ids,
+                       max_model_len=config.max_model_len, choice_index=index, leader=leader)
+
+    leader = choice(0, None)
+    leader.held_siblings = [choice(index, leader) for index in range(1, params.n)]
+    return [leader, *leader.held_siblings]

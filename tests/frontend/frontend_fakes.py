@@ -1,0 +1,220 @@
+"""An in-process fake engine that speaks real StepOutputs through the real OutputRouter."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
+from proto.messages import (EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
+                            EVENT_SCHEDULED, StepOutputs)
+from proto.sampling import SamplingParams
+
+QUEUE_S, PREFILL_S, DECODE_STEP_S = 0.25, 0.5, 0.125  # fake scheduler clock per phase
+STEP_DURATION_S = 0.004
+
+
+def sampled_logprob(position: int, choice: int) -> float:
+    """The fake logprob of the token a choice sampled at `position` (its top-1 alternative)."""
+    return -0.25 * (choice + 1) - position / 1024
+
+
+def prompt_logprob(position: int) -> float:
+    return -1.0 - position / 64
+
+
+@dataclass
+class AddedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class _Row:
+    """One output row of a fake step."""
+
+    choice: int
+    token_ids: list[int]
+    finish_reason: str = ""
+    error_message: str = ""
+    entries: list[tuple[int, int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+class FakeEngineClient:
+    """Answers each request with `reply_token_ids` (choice c: `choice_replies[c]` when set),
+    `tokens_per_step` a step, with lifecycle events, logprobs and stats like the scheduler's.
+
+    A choice ends with "length" when max_tokens cuts its reply, else with `finish_reason`. With
+    `hang` it sends the replies but never finishes (until aborted); with `fail_with` it errors at
+    once. Every step is routed at once; the request's stream then reads them at its own pace.
+    """
+
+    def __init__(self, reply_token_ids: list[int]) -> None:
+        self.reply_token_ids = reply_token_ids
+        self.choice_replies: list[list[int]] | None = None
+        self.tokens_per_step = 1
+        self.finish_reason = "stop"
+        self.fail_with = ""
+        self.hang = False
+        self.preempt = False  # each request is preempted once, after its first token
+        self.alive = True
+        self.num_running, self.num_waiting, self.kv_cache_usage = 2, 3, 0.25
+        self.max_num_seqs = 4
+        self.num_cached_tokens = 0
+        self.scheduler_protocol_errors = 0
+        self.added: list[AddedRequest] = []
+        self.aborted: list[str] = []
+        self.started = False
+        self.router = OutputRouter()
+        self.totals = {"num_preemptions_total": 0, "prefix_cache_queries_total": 0,
+                       "prefix_cache_hits_total": 0}
+        self.num_steps = 0
+        self.num_scheduled_tokens_total = 0
+        self._clock_s = 1000.0
+        self._running: dict[str, set[int]] = {}  # hanging requests: their unfinished choices
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.started = False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def add_listener(self, listener: EngineListener) -> None:
+        self.router.add_listener(listener)
+
+    @property
+    def latest_stats(self) -> EngineStats | None:
+        return self.router.latest_stats
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]:
+        route = self.router.open(request_id, sampling_params.n)
+        self.added.append(AddedRequest(request_id, list(prompt_token_ids), sampling_params))
+        self._run(request_id, list(prompt_token_ids), sampling_params)
+        async for delta in route.deltas():
+            yield delta
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.router.abort(request_id)
+        open_choices = self._running.pop(request_id, set())
+        events = [(request_id, choice, EVENT_FINISHED) for choice in sorted(open_choices)]
+        self._send(request_id, [], events, step=False)
+
+    def reply_of(self, choice: int) -> list[int]:
+        return self.choice_replies[choice] if self.choice_replies else self.reply_token_ids
+
+    def _run(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        choices = range(params.n)
+        events = [(request_id, c, EVENT_QUEUED) for c in choices]
+        self._send(request_id, [], events, step=False)
+        self._clock_s += QUEUE_S
+        self._send(request_id, [], [(request_id, c, EVENT_SCHEDULED) for c in choices], step=False)
+        self._clock_s += PREFILL_S
+        if self.fail_with:
+            rows = [_Row(c, [], "error", self.fail_with) for c in choices]
+            self._send(request_id, rows, [(request_id, c, EVENT_FINISHED) for c in choices])
+            return
+        replies = [self.reply_of(c)[:params.max_tokens] for c in choices]
+        num_steps = max(-(-len(r) // self.tokens_per_step) for r in replies)
+        self._running[request_id] = set(choices)
+        for step in range(num_steps):
+            rows, events = self._step_rows(request_id, prompt, params, replies, step)
+            self._send(request_id, rows, events, num_prefill=len(prompt) if step == 0 else 0)
+            self._clock_s += DECODE_STEP_S
+        if not self._running[request_id]:
+            del self._running[request_id]
+
+    def _step_rows(self, request_id: str, prompt: list[int], params: SamplingParams,
+                   replies: list[list[int]], step: int) -> tuple[list[_Row], list]:
+        rows, events = [], []
+        size = self.tokens_per_step
+        for choice, reply in enumerate(replies):
+            tokens = reply[step * size:(step + 1) * size]
+            if step > 0 and step * size >= len(reply):  # this choice has finished already
+                continue
+            row = _Row(choice, tokens)
+            if step == 0:
+                events.append((request_id, choice, EVENT_FIRST_TOKEN))
+                if choice == 0 and params.prompt_logprobs >= 0:
+                    row.entries += _prompt_entries(prompt, params.prompt_logprobs)
+            if params.logprobs >= 0:
+                start = len(prompt) + step * size
+                row.entries += [_sampled_entry(start + i, t, choice, params.logprobs)
+                                for i, t in enumerate(tokens)]
+            if self.preempt and step == 1 and choice == 0:
+                events.append((request_id, choice, EVENT_PREEMPTED))
+                self.totals["num_preemptions_total"] += 1
+            if (step + 1) * size >= len(reply) and not self.hang:
+                full = len(self.reply_of(choice)) >= params.max_tokens
+                row.finish_reason = "length" if full else self.finish_reason
+                events.append((request_id, choice, EVENT_FINISHED))
+                self._running[request_id].discard(choice)
+            rows.append(row)
+        return rows, events
+
+    def _send(self, request_id: str, rows: list[_Row], events: list, step: bool = True,
+              num_prefill: int = 0) -> None:
+        if step and num_prefill:
+            self.totals["prefix_cache_queries_total"] += num_prefill
+            self.totals["prefix_cache_hits_total"] += self.num_cached_tokens
+        num_scheduled = num_prefill - self.num_cached_tokens if num_prefill else len(rows)
+        if step:
+            self.num_steps += 1
+            self.num_scheduled_tokens_total += num_scheduled
+        self.router.route(self._outputs(request_id, rows, events, step, num_scheduled), time.monotonic())
+
+    def _outputs(self, request_id: str, rows: list[_Row], events: list, step: bool,
+                 num_scheduled: int) -> StepOutputs:
+        lengths = [len(r.token_ids) for r in rows]
+        entries = [(index, e) for index, r in enumerate(rows) for e in r.entries]
+        cu_top = np.concatenate([[0], np.cumsum([len(e[3]) for _, e in entries])]).astype(np.int32)
+        return StepOutputs(
+            step_id=self.num_steps if step else -1, request_ids=[request_id] * len(rows),
+            cu_new_tokens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+            new_token_ids=np.array([t for r in rows for t in r.token_ids], dtype=np.int32),
+            finish_reasons=[r.finish_reason for r in rows],
+            error_messages=[r.error_message for r in rows],
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache_usage, num_preemptions_total=self.totals["num_preemptions_total"],
+            step_duration_s=STEP_DURATION_S if step else 0.0, wall_time_s=self._clock_s,
+            choice_indices=np.array([r.choice for r in rows], dtype=np.int32),
+            num_cached_tokens=np.full(len(rows), self.num_cached_tokens, dtype=np.int32),
+            event_request_ids=[e[0] for e in events],
+            event_choice_indices=np.array([e[1] for e in events], dtype=np.int32),
+            event_kinds=np.array([e[2] for e in events], dtype=np.uint8),
+            event_times_s=np.full(len(events), self._clock_s, dtype=np.float64),
+            num_scheduled_tokens=num_scheduled if step else 0,
+            num_protocol_errors_total=self.scheduler_protocol_errors,
+            prefix_cache_queries_total=self.totals["prefix_cache_queries_total"],
+            prefix_cache_hits_total=self.totals["prefix_cache_hits_total"],
+            lp_rows=np.array([index for index, _ in entries], dtype=np.int32),
+            lp_positions=np.array([e[0] for _, e in entries], dtype=np.int32),
+            lp_token_ids=np.array([e[1] for _, e in entries], dtype=np.int32),
+            lp_logprobs=np.array([e[2] for _, e in entries], dtype=np.float32),
+            lp_cu_top=cu_top,
+            lp_top_token_ids=np.array([t for _, e in entries for t, _ in e[3]], dtype=np.int32),
+            lp_top_logprobs=np.array([lp for _, e in entries for _, lp in e[3]], dtype=np.float32),
+        )
+
+
+def _top(token_id: int, logprob: float, k: int) -> list[tuple[int, float]]:
+    """The token itself first, then made-up runners-up, each one nat less likely."""
+    return [(token_id + i, logprob - i) for i in range(k)]
+
+
+def _sampled_entry(position: int, token_id: int, choice: int, k: int) -> tuple:
+    logprob = sampled_logprob(position, choice)
+    return (position, token_id, logprob, _top(token_id, logprob, k))
+
+
+def _prompt_entries(prompt: list[int], k: int) -> list[tuple]:
+    return [(p, prompt[p], prompt_logprob(p), _top(prompt[p], prompt_logprob(p), k))
+            for p in range(1, len(prompt))]

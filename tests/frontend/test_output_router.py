@@ -1,0 +1,86 @@
+"""The OutputRouter sends each StepOutputs row to its (request, choice), with its logprob entries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from frontend.engine_outputs import EngineDelta, OutputRouter, TokenLogprob
+from proto.messages import StepOutputs
+
+pytestmark = pytest.mark.anyio
+
+
+def outputs(rows: list[tuple[str, int, list[int], str]], **fields: object) -> StepOutputs:
+    """rows: (request id, choice index, new tokens, finish reason)."""
+    lengths = [len(r[2]) for r in rows]
+    return StepOutputs(
+        step_id=1, request_ids=[r[0] for r in rows],
+        cu_new_tokens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        new_token_ids=np.array([t for r in rows for t in r[2]], dtype=np.int32),
+        finish_reasons=[r[3] for r in rows], error_messages=[""] * len(rows),
+        num_running=len(rows), num_waiting=0, kv_cache_usage=0.0, num_preemptions_total=0,
+        step_duration_s=0.0, wall_time_s=0.0,
+        choice_indices=np.array([r[1] for r in rows], dtype=np.int32), **fields)
+
+
+async def collect(router: OutputRouter, request_id: str, num_choices: int,
+                  messages: list[StepOutputs]) -> list[EngineDelta]:
+    route = router.open(request_id, num_choices)
+    for message in messages:
+        router.route(message, 5.0)
+    return [delta async for delta in route.deltas()]
+
+
+async def test_rows_reach_their_choice_with_their_logprob_entries_and_cache_hits():
+    logprobs = dict(lp_rows=np.array([0, 0], np.int32), lp_positions=np.array([3, 4], np.int32),
+                    lp_token_ids=np.array([9, 8], np.int32), lp_logprobs=np.array([-0.5, -1.5], np.float32),
+                    lp_cu_top=np.array([0, 1, 2], np.int32), lp_top_token_ids=np.array([9, 8], np.int32),
+                    lp_top_logprobs=np.array([-0.5, -1.5], np.float32),
+                    num_cached_tokens=np.array([16, 0, 0], np.int32))
+    message = outputs([("a", 1, [9], ""), ("a", 0, [7], "length"), ("b", 0, [1], "")], **logprobs)
+    router = OutputRouter()
+    other = router.open("b", 1)
+    deltas = await collect(router, "a", 2, [message, outputs([("a", 1, [8], "stop")])])
+    assert deltas == [EngineDelta([9], choice_index=1, num_cached_tokens=16,
+                                  logprobs=(TokenLogprob(3, 9, -0.5, ((9, -0.5),)),
+                                            TokenLogprob(4, 8, -1.5, ((8, -1.5),)))),
+                      EngineDelta([7], "length", choice_index=0),
+                      EngineDelta([8], "stop", choice_index=1)]
+    assert deltas[0].received_s == 5.0
+    assert other.queue.qsize() == 1 and len(router) == 1  # "a" is done, "b" still runs
+
+
+async def test_abort_ends_only_the_choices_still_open():
+    router = OutputRouter()
+    route = router.open("a", 3)
+    router.route(outputs([("a", 1, [4], "stop")]), 1.0)
+    assert router.abort("a") and not router.abort("a")
+    deltas = [delta async for delta in route.deltas()]
+    assert [(d.choice_index, d.finish_reason) for d in deltas] == [(1, "stop"), (0, "abort"), (2, "abort")]
+
+
+async def test_outputs_for_a_choice_the_request_does_not_have_are_dropped():
+    router = OutputRouter()
+    route = router.open("a", 1)
+    router.route(outputs([("a", 3, [4], "stop"), ("a", 0, [5], "stop")]), 1.0)
+    assert [delta.token_ids async for delta in route.deltas()] == [[5]]
+
+
+async def test_listeners_see_every_message_even_for_requests_no_longer_routed():
+    seen: list[int] = []
+
+    class Listener:
+        def on_step_outputs(self, message: StepOutputs) -> None:
+            seen.append(message.step_id)
+
+        def on_protocol_error(self) -> None:
+            seen.append(-99)
+
+    router = OutputRouter()
+    router.add_listener(Listener())
+    router.route(dataclasses.replace(outputs([("gone", 0, [1], "")]), step_id=7), 1.0)
+    router.protocol_error()
+    assert seen == [7, -99] and router.latest_stats.step_id == 7

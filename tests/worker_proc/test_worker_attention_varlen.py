@@ -1,0 +1,78 @@
+"""The varlen (flash-attn) backend's argument mapping equals the torch reference, checked on the
+CPU with a plain-torch kernel that implements flash_attn_varlen_func's documented contract."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from worker_plans import BlockPool, Seq, make_plan
+
+from worker_proc.attention import TorchPagedAttention
+from worker_proc.attention_varlen import VarlenPagedAttention, attention_backend_for
+from worker_proc.batch import build_step_batch
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def contract_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                    causal: bool, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """flash_attn_varlen_func as documented: GQA, bottom-right causal, optional paged K/V."""
+    assert causal and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) == max_seqlen_q
+    assert int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) == max_seqlen_k
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[-2]
+    for i in range(len(cu_seqlens_q) - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[i], cu_seqlens_q[i + 1],
+                                           cu_seqlens_k[i], cu_seqlens_k[i + 1]))
+        num_q, num_k = q1 - q0, k1 - k0
+        if block_table is None:
+            keys, values = k[k0:k1], v[k0:k1]
+        else:
+            keys = k[block_table[i].long()].flatten(0, 1)[:num_k]
+            values = v[block_table[i].long()].flatten(0, 1)[:num_k]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], keys) / math.sqrt(q.shape[-1])
+        visible = torch.arange(num_k)[None, :] <= torch.arange(num_q)[:, None] + (num_k - num_q)
+        scores.masked_fill_(~visible, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    return out
+
+
+def mixed_plan(block_size: int):
+    """A fresh prefill, a chunk continuing mid-prompt, and two decodes of different lengths."""
+    pool = BlockPool(16, block_size=block_size)
+    seqs = [Seq("fresh", list(range(7))), Seq("chunk", list(range(20)), num_computed=5),
+            Seq("long", list(range(10)), num_computed=9), Seq("short", [1, 2, 3, 4], num_computed=3)]
+    return make_plan(seqs, [7, 6, 1, 1], pool)
+
+
+@pytest.mark.parametrize("block_size", [4, 256])  # gathered context / the paged block table
+def test_varlen_backend_matches_the_reference_on_a_mixed_step(block_size: int) -> None:
+    backend = VarlenPagedAttention(contract_kernel, block_size)
+    assert backend.paged == (block_size == 256)
+    plan = mixed_plan(block_size)
+    generator = torch.Generator().manual_seed(0)
+    num_slots = 16 * block_size
+    cache = [torch.randn(num_slots, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2)]
+    num_tokens = len(plan.input_ids)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
+    k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+
+    def run(attention: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        meta = build_step_batch(plan, block_size, 16, attention.needs_packed_context).attn
+        caches = [c.clone() for c in cache]
+        return attention.forward(q, k, v, caches[0], caches[1], meta), caches
+
+    want, want_caches = run(TorchPagedAttention())
+    got, got_caches = run(backend)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        assert torch.equal(got_cache, want_cache)  # this step's K/V written to the same slots
+
+
+def test_without_cuda_the_reference_backend_is_chosen() -> None:
+    backend = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16)
+    assert isinstance(backend, TorchPagedAttention)

@@ -1,0 +1,146 @@
+"""Worker step benchmark: prefill and decode step times of one rank, per attention backend.
+
+    python -m worker_proc.bench_step --out bench_step.json            # random SmolLM2-shaped model
+    python -m worker_proc.bench_step --model /path/to/hf-model --batch-sizes 1,32,128
+
+Builds sequences of --context tokens (prefilled in chunks), then times --steps decode steps at
+each batch size, for the torch reference attention and, on CUDA with flash-attn installed, the
+varlen fast path. Without --model it saves a randomly initialised model of SmolLM2-135M's shape
+(no download). Prints JSON; --out also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from proto.config import EngineConfig
+from proto.messages import StepPlan
+from worker_proc.attention import AttentionBackend, TorchPagedAttention
+from worker_proc.attention_varlen import VarlenPagedAttention, load_flash_kernel
+from worker_proc.model import Attention
+from worker_proc.runner import ModelRunner
+
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                     tie_word_embeddings=True)
+
+
+def random_model(out_dir: Path) -> Path:
+    import transformers
+
+    config = transformers.LlamaConfig(**SMOLLM2_SHAPE)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def step_plan(step_id: int, contexts: np.ndarray, num_scheduled: np.ndarray, input_ids: np.ndarray,
+              block_size: int, max_blocks: int) -> StepPlan:
+    """Greedy members; member i owns blocks [i * max_blocks, (i + 1) * max_blocks)."""
+    n = len(contexts)
+    i32 = np.int32
+    return StepPlan(
+        step_id=step_id, request_ids=[f"r{i}" for i in range(n)], input_ids=input_ids.astype(i32),
+        num_computed_tokens=(contexts - num_scheduled).astype(i32),
+        num_scheduled_tokens=num_scheduled.astype(i32),
+        cu_block_ids=(np.arange(n + 1) * max_blocks).astype(i32),
+        block_ids=np.arange(n * max_blocks, dtype=i32), sample_mask=np.ones(n, bool),
+        temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, i32),
+        min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
+        presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
+        seeds=np.zeros(n, np.int64), bias_rows=np.zeros(0, i32), bias_token_ids=np.zeros(0, i32),
+        bias_values=np.zeros(0, np.float32), cu_history=np.zeros(n + 1, i32),
+        history_token_ids=np.zeros(0, i32), history_num_prompt=np.zeros(n, i32))
+
+
+def use_backend(runner: ModelRunner, backend: AttentionBackend) -> None:
+    runner.attention = backend
+    for module in runner.model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_batch(runner: ModelRunner, batch_size: int, context: int, steps: int,
+               max_blocks: int) -> dict[str, float]:
+    """Prefill batch_size prompts of `context` tokens (one step each), then time decode steps."""
+    rng = np.random.default_rng(0)
+    block_size = runner.config.block_size
+    prefill_s = []
+    for member in range(batch_size):  # one member per prefill step, at its own blocks
+        plan = step_plan(0, np.array([context]), np.array([context]), rng.integers(10, 1000, context),
+                         block_size, max_blocks)
+        plan = replace(plan, block_ids=plan.block_ids + member * max_blocks)
+        synchronize(runner.device)
+        started = time.perf_counter()
+        runner.execute(plan)
+        synchronize(runner.device)
+        prefill_s.append(time.perf_counter() - started)
+    decode_s = []
+    for step in range(steps):
+        contexts = np.full(batch_size, context + 1 + step)
+        plan = step_plan(step + 1, contexts, np.ones(batch_size, np.int64),
+                         rng.integers(10, 1000, batch_size), block_size, max_blocks)
+        synchronize(runner.device)
+        started = time.perf_counter()
+        runner.execute(plan)
+        synchronize(runner.device)
+        decode_s.append(time.perf_counter() - started)
+    decode_ms = 1000 * float(np.median(decode_s[1:] if steps > 1 else decode_s))
+    return {"batch_size": batch_size, "context": context,
+            "prefill_ms_median": round(1000 * float(np.median(prefill_s)), 3),
+            "decode_step_ms_median": round(decode_ms, 3),
+            "decode_tokens_per_s": round(batch_size / decode_ms * 1000, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker_proc.bench_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model directory (default: random SmolLM2 shape)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_blocks = -(-(args.context + args.steps + 1) // args.block_size)
+    with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
+        model = args.model or str(random_model(Path(tmp)))
+        config = EngineConfig(model=model, dtype=args.dtype, block_size=args.block_size,
+                              num_kv_blocks=max(batch_sizes) * max_blocks, runtime_dir=tmp)
+        runner = ModelRunner(config, rank=0, show_progress=False)
+        backends: dict[str, AttentionBackend] = {"torch_reference": TorchPagedAttention()}
+        kernel = load_flash_kernel() if runner.device.type == "cuda" else None
+        if kernel is not None and args.dtype == "bfloat16":
+            backends["flash_varlen"] = VarlenPagedAttention(kernel, args.block_size)
+        report = {"device": torch.cuda.get_device_name(0) if runner.device.type == "cuda" else "cpu",
+                  "model": args.model or "random SmolLM2-135M shape", "dtype": args.dtype,
+                  "block_size": args.block_size, "torch": torch.__version__, "results": {}}
+        for name, backend in backends.items():
+            use_backend(runner, backend)
+            time_batch(runner, 1, args.context, 2, max_blocks)  # warm-up: kernels, allocator, caches
+            report["results"][name] = [time_batch(runner, b, args.context, args.steps, max_blocks)
+                                       for b in batch_sizes]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""Where one worker rank runs: its GPU (pinned by the supervisor) or its share of the CPU cores."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from proto.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def local_rank_of(config: EngineConfig, rank: int) -> int:
+    """The rank's index among this node's workers."""
+    return rank - config.node_rank * config.workers_per_node
+
+
+def allowed_cores() -> list[int]:
+    """The affinity mask, not the machine, is what this process may use (containers, taskset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_share(cores: list[int], local_rank: int, workers_per_node: int) -> list[int]:
+    """Rank local_rank's contiguous slice of `cores`: an even split, the remainder to the first
+    ranks. With fewer cores than workers every worker shares them all."""
+    if len(cores) < workers_per_node:
+        return cores
+    base, extra = divmod(len(cores), workers_per_node)
+    start = local_rank * base + min(local_rank, extra)
+    return cores[start:start + base + (1 if local_rank < extra else 0)]
+
+
+def bind_worker(config: EngineConfig, rank: int) -> torch.device:
+    """Pin this process and set its torch threads; returns the device its tensors live on.
+
+    GPU: the supervisor set CUDA_VISIBLE_DEVICES to this rank's one device, so it is cuda:0.
+    CPU threads (the whole model on CPU; sampling on GPU): this node's workers split the cores,
+    each pinned to its slice so no two ranks' thread pools fight over a core, one thread per
+    core unless num_threads says otherwise.
+    """
+    share = cpu_share(allowed_cores(), local_rank_of(config, rank), config.workers_per_node)
+    if config.workers_per_node > 1 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, share)
+    torch.set_num_threads(config.num_threads or len(share))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    log.info("rank %d on %s, CPU cores %s, %d threads", rank, device, share, torch.get_num_threads())
+    return device
