@@ -9,6 +9,7 @@ import pytest
 import torch
 from worker_plans import BlockPool, Seq, make_plan
 
+from proto.messages import StepPlan
 from worker_proc.attention import TorchPagedAttention
 from worker_proc.attention_varlen import VarlenPagedAttention, attention_backend_for
 from worker_proc.batch import build_step_batch
@@ -41,7 +42,7 @@ def contract_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return out
 
 
-def mixed_plan(block_size: int):
+def mixed_plan(block_size: int) -> StepPlan:
     """A fresh prefill, a chunk continuing mid-prompt, and two decodes of different lengths."""
     pool = BlockPool(16, block_size=block_size)
     seqs = [Seq("fresh", list(range(7))), Seq("chunk", list(range(20)), num_computed=5),
