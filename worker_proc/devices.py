@@ -24,6 +24,14 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def worker_cores(config: EngineConfig) -> list[int]:
+    """The cores this node's workers may use: all allowed ones, less one on node 0 if spare."""
+    cores = allowed_cores()
+    if config.node_rank == 0 and len(cores) > config.workers_per_node:
+        return cores[:-1]
+    return cores
+
+
 def cpu_share(cores: list[int], local_rank: int, workers_per_node: int) -> list[int]:
     """Rank local_rank's contiguous slice of `cores`: an even split, the remainder to the first
     ranks. With fewer cores than workers every worker shares them all."""
@@ -40,9 +48,12 @@ def bind_worker(config: EngineConfig, rank: int) -> torch.device:
     GPU: the supervisor set CUDA_VISIBLE_DEVICES to this rank's one device, so it is cuda:0.
     CPU threads (the whole model on CPU; sampling on GPU): this node's workers split the cores,
     each pinned to its slice so no two ranks' thread pools fight over a core, one thread per
-    core unless num_threads says otherwise.
+    core unless num_threads says otherwise. On node 0, when there are cores to spare, one core
+    is left to the frontend and scheduler: an OpenMP thread that loses its core to them stalls
+    every op at the next barrier (measured on 2 cores while serving: a small bf16 linear went
+    from 0.07 ms with 1 thread to 8 ms with 2 threads, see docs/benchmarks.md).
     """
-    share = cpu_share(allowed_cores(), local_rank_of(config, rank), config.workers_per_node)
+    share = cpu_share(worker_cores(config), local_rank_of(config, rank), config.workers_per_node)
     if config.workers_per_node > 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, share)
     torch.set_num_threads(config.num_threads or len(share))

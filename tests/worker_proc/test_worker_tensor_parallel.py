@@ -101,3 +101,22 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks(tmp_path: Path) -> None:
 def test_cpu_workers_split_the_allowed_cores_evenly(cores: list[int], workers: int,
                                                      shares: list[list[int]]) -> None:
     assert [cpu_share(cores, rank, workers) for rank in range(workers)] == shares
+
+
+@pytest.mark.parametrize("cores, tp, node_rank, expected", [
+    ([0, 1], 1, 0, [0]),  # one core left to the frontend and scheduler
+    ([0, 1], 2, 0, [0, 1]),  # no core to spare: the workers take them all
+    ([0, 1, 2, 3], 1, 1, [0, 1, 2, 3]),  # a worker-only node keeps every core
+    ([0], 1, 0, [0]),
+])
+def test_node_zero_leaves_a_core_to_the_frontend_when_it_can(
+        monkeypatch: pytest.MonkeyPatch, cores: list[int], tp: int, node_rank: int,
+        expected: list[int]) -> None:
+    from proto.config import EngineConfig
+    from worker_proc import devices
+
+    monkeypatch.setattr(devices, "allowed_cores", lambda: cores)
+    nnodes = 2 if node_rank else 1
+    config = EngineConfig(tensor_parallel_size=tp * nnodes, nnodes=nnodes, node_rank=node_rank,
+                          master_addr="127.0.0.1" if nnodes > 1 else "")
+    assert devices.worker_cores(config) == expected
