@@ -8,6 +8,18 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from worker_proc.kv_cache import KVLayout
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token members attended together, each context padded to the group's longest."""
+
+    # None when the group is the whole step (every token a decode): rows 0..n-1 in order.
+    token_rows: torch.Tensor | None  # int64 [num_members] query row of each member
+    slots: torch.Tensor  # int64 [num_members, max_context] padded with the member's last slot
+    mask: torch.Tensor | None  # float32 [num_members, 1, max_context] 0 or -inf; None = no padding
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -34,10 +46,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
     max_seqlen_q: int
     max_context_len: int
-    # Single-token members, attended together in one batched SDPA.
-    decode_token_rows: torch.Tensor | None  # int64 [num_decodes]; None when every token is a decode
-    decode_slots: torch.Tensor | None  # int64 [num_decodes, max_decode_context] padded with valid slots
-    decode_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_decode_context]; None = no padding
+    # Single-token members in one or two groups of similar context length (less padding).
+    decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
     # For varlen kernels (attention_varlen): the whole ragged batch at once.
     cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of context_lens
@@ -45,12 +55,13 @@ class AttentionMetadata:
 
     @property
     def num_decodes(self) -> int:
-        return 0 if self.decode_slots is None else self.decode_slots.shape[0]
+        return sum(group.slots.shape[0] for group in self.decodes)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self)}
-        moved["prefills"] = tuple(PrefillSpan(p.token_start, p.token_end,
-                                              _move(p.context_slots, device), _move(p.mask, device))
+        moved["decodes"] = tuple(DecodeGroup(*(_move(getattr(g, f.name), device) for f in fields(g)))
+                                 for g in self.decodes)
+        moved["prefills"] = tuple(PrefillSpan(*(_move(getattr(p, f.name), device) for f in fields(p)))
                                   for p in self.prefills)
         return AttentionMetadata(**moved)
 
@@ -62,69 +73,71 @@ def _move(value: object, device: torch.device) -> object:
 class AttentionBackend(Protocol):
     # True when the step's AttentionMetadata must carry context_slots (built only when asked).
     needs_packed_context: bool
+    # How the runner lays out the KV cache for this backend (kv_cache.KVLayout).
+    kv_layout: KVLayout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (blocks flattened).
+        k_cache, v_cache: flat views in kv_layout, kv_layout.shape((num_slots,), kv_heads, head_dim).
         Writes this step's k, v into the caches and returns [num_tokens, num_heads * head_dim]."""
         ...
 
 
 class TorchPagedAttention:
-    """Reference backend (CPU and GPU): SDPA over K/V gathered from the paged cache."""
+    """Reference backend (CPU and GPU): batched matmuls for decodes, SDPA for prefill chunks, over
+    K/V gathered from a HEADS_MAJOR cache, k_cache and v_cache [num_kv_heads, num_slots, head_dim]."""
 
     needs_packed_context = False
+    kv_layout = KVLayout.HEADS_MAJOR
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens, num_heads, head_dim = q.shape
-        if not meta.prefills:  # the common all-decode step needs no scatter of outputs
-            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, num_heads * head_dim)
+        if len(meta.decodes) == 1 and meta.decodes[0].token_rows is None:  # nothing to scatter
+            return _decode(q, k_cache, v_cache, meta.decodes[0]).view(num_tokens, num_heads * head_dim)
         out = q.new_empty(num_tokens, num_heads, head_dim)
-        if meta.num_decodes:
-            out[meta.decode_token_rows] = self._decode(q[meta.decode_token_rows], k_cache, v_cache, meta)
+        for group in meta.decodes:
+            out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, group)
         for span in meta.prefills:
-            out[span.token_start:span.token_end] = self._prefill(q, k, v, k_cache, v_cache, span)
+            out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
         return out.view(num_tokens, num_heads * head_dim)
 
-    @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_decodes, num_heads, head_dim] -> same shape."""
-        num_decodes, context = meta.decode_slots.shape
-        flat_slots = meta.decode_slots.view(-1)
-        # index_select is ~4x faster than advanced indexing for this gather on CPU.
-        keys = k_cache.index_select(0, flat_slots).view(num_decodes, context, *k_cache.shape[1:])
-        values = v_cache.index_select(0, flat_slots).view(num_decodes, context, *v_cache.shape[1:])
-        # CPU SDPA is 2x faster on fp32 than on bf16 for single-query attention, and 10x faster
-        # on contiguous [batch, heads, context, dim] K/V than on a transposed view (measured).
-        compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(compute_dtype), _heads_major(keys, compute_dtype),
-            _heads_major(values, compute_dtype), attn_mask=meta.decode_mask, enable_gqa=True)
-        return out.squeeze(2).to(q.dtype)
 
-    @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-        """One chunk's queries against its context -> [num_q, num_heads, head_dim]."""
-        rows = slice(span.token_start, span.token_end)
-        queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, num_q, head_dim]
-        if span.context_slots is None:
-            keys, values, causal = k[rows], v[rows], True
-        else:
-            keys, values, causal = (k_cache.index_select(0, span.context_slots),
-                                    v_cache.index_select(0, span.context_slots), False)
-        out = F.scaled_dot_product_attention(
-            queries, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-            attn_mask=span.mask, is_causal=causal, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            group: DecodeGroup) -> torch.Tensor:
+    """q: [num_members, num_heads, head_dim] -> same shape.
+
+    Two matmuls in the model's dtype (bf16 on bf16 models: 2-3x faster on CPU than fp32 SDPA,
+    which needs a cast copy of K/V), the softmax in fp32; fp32 models stay fp32 throughout."""
+    num_members, context = group.slots.shape
+    num_kv_heads, _, head_dim = k_cache.shape
+    flat_slots = group.slots.view(-1)
+    keys = k_cache.index_select(1, flat_slots).view(num_kv_heads, num_members, context, head_dim)
+    values = v_cache.index_select(1, flat_slots).view(num_kv_heads, num_members, context, head_dim)
+    # A KV head's query heads (its GQA group) become rows of one matmul, so K/V are read once.
+    queries = q.view(num_members, num_kv_heads, -1, head_dim).transpose(0, 1)  # [kv_heads, n, group, dim]
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [kv_heads, n, group, context]
+    scores.mul_(head_dim ** -0.5)
+    if group.mask is not None:
+        scores.add_(group.mask)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values)  # [kv_heads, n, group, head_dim]
+    return out.transpose(0, 1).reshape(num_members, -1, head_dim)
 
 
-def _heads_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[batch, context, kv_heads, dim] -> contiguous [batch, kv_heads, context, dim] in `dtype`,
-    cast and transposed in one copy."""
-    return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    """One chunk's queries against its context -> [num_q, num_heads, head_dim]."""
+    rows = slice(span.token_start, span.token_end)
+    queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, num_q, head_dim]
+    if span.context_slots is None:
+        keys, values, causal = k[rows].transpose(0, 1), v[rows].transpose(0, 1), True
+    else:  # the gather is already [kv_heads, context, head_dim], SDPA's layout
+        keys, values, causal = (k_cache.index_select(1, span.context_slots),
+                                v_cache.index_select(1, span.context_slots), False)
+    out = F.scaled_dot_product_attention(queries, keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=span.mask, is_causal=causal, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -25,6 +25,7 @@ config_strategy = st.fixed_dictionaries({
     "max_num_batched_tokens": st.integers(2, 24),
     "long_prefill_token_threshold": st.sampled_from([0, 2, 5]),
     "max_num_partial_prefills": st.integers(1, 2),
+    "scheduling": st.sampled_from(["continuous", "continuous", "static"]),
 })
 
 
