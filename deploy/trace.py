@@ -32,6 +32,7 @@ class TraceSpec:
     seed: int = 0
     vocab_low: int = 100  # prompt ids are drawn from [vocab_low, vocab_high): ordinary tokens
     vocab_high: int = 10000
+    shared_prefix_len: int = 0  # every prompt starts with the same this-many tokens (a system prompt)
 
     def validate(self) -> None:
         checks = [
@@ -44,6 +45,8 @@ class TraceSpec:
             (self.output_sigma >= 0, f"--output-sigma must be >= 0, got {self.output_sigma}"),
             (self.request_rate > 0, f"--request-rate must be > 0 (or inf), got {self.request_rate}"),
             (0 <= self.vocab_low < self.vocab_high, "token id range must be non-empty"),
+            (self.shared_prefix_len >= 0,
+             f"--shared-prefix-len must be >= 0, got {self.shared_prefix_len}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -53,13 +56,14 @@ class TraceSpec:
 def make_trace(spec: TraceSpec) -> list[TraceEntry]:
     spec.validate()
     rng = random.Random(spec.seed)
+    shared_prefix = [rng.randrange(spec.vocab_low, spec.vocab_high) for _ in range(spec.shared_prefix_len)]
     entries: list[TraceEntry] = []
     clock_s = 0.0
     for _ in range(spec.num_prompts):
         if math.isfinite(spec.request_rate):
             clock_s += rng.expovariate(spec.request_rate)
         prompt_len = rng.randint(spec.prompt_len_min, spec.prompt_len_max)
-        prompt = [rng.randrange(spec.vocab_low, spec.vocab_high) for _ in range(prompt_len)]
+        prompt = shared_prefix + [rng.randrange(spec.vocab_low, spec.vocab_high) for _ in range(prompt_len)]
         entries.append(TraceEntry(round(clock_s, 6), prompt, _output_len(spec, rng)))
     return entries
 
@@ -125,6 +129,9 @@ def add_trace_arguments(parser: argparse.ArgumentParser, request_rate: float = m
     parser.add_argument("--output-sigma", type=float, default=spec.output_sigma)
     parser.add_argument("--output-max", type=int, default=spec.output_max)
     parser.add_argument("--seed", type=int, default=spec.seed)
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="tokens of a prefix every prompt shares (e.g. a system prompt), "
+                             "before its own --prompt-len-min..max tokens")
     parser.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead")
     parser.add_argument("--save-trace", type=Path, default=None, help="write the trace as JSONL")
 
@@ -139,4 +146,4 @@ def trace_from_args(args: argparse.Namespace, vocab_high: int = TraceSpec.vocab_
         prompt_len_max=args.prompt_len_max, output_dist=args.output_dist,
         output_median=args.output_median, output_sigma=args.output_sigma,
         output_max=args.output_max, request_rate=args.request_rate, seed=args.seed,
-        vocab_high=min(vocab_high, TraceSpec.vocab_high)))
+        shared_prefix_len=args.shared_prefix_len, vocab_high=min(vocab_high, TraceSpec.vocab_high)))

@@ -70,3 +70,12 @@ def test_bench_refuses_a_negative_rate(capsys: pytest.CaptureFixture) -> None:
 
     assert main(["bench", "--request-rate", "-2"]) == 2
     assert "request-rate" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_starts_every_prompt_and_the_rest_is_unique() -> None:
+    trace = make_trace(TraceSpec(num_prompts=10, shared_prefix_len=1024, prompt_len_min=32,
+                                 prompt_len_max=128, seed=2))
+    prefix = trace[0].prompt_token_ids[:1024]
+    assert all(e.prompt_token_ids[:1024] == prefix for e in trace)
+    assert all(32 <= len(e.prompt_token_ids) - 1024 <= 128 for e in trace)
+    assert len({tuple(e.prompt_token_ids[1024:]) for e in trace}) == 10

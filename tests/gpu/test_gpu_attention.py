@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_worker_attention_varlen import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, mixed_plan
+from test_worker_attention_varlen import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, caches_in_layout,
+                                         mixed_plan)
 
 from worker_proc.attention import TorchPagedAttention
 from worker_proc.attention_varlen import VarlenPagedAttention, attention_backend_for, load_flash_kernel
@@ -22,6 +23,7 @@ def run_step(attention: object, block_size: int, dtype: torch.dtype,
     generator = torch.Generator().manual_seed(0)
     num_tokens, num_slots = len(plan.input_ids), 16 * block_size
     caches = [torch.randn(num_slots, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2)]
+    caches = caches_in_layout(attention, caches)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
     k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
     q, k, v, *caches = (t.to(device, dtype) for t in (q, k, v, *caches))

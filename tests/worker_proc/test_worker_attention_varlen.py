@@ -10,7 +10,7 @@ import torch
 from worker_plans import BlockPool, Seq, make_plan
 
 from proto.messages import StepPlan
-from worker_proc.attention import TorchPagedAttention
+from worker_proc.attention import AttentionBackend, TorchPagedAttention
 from worker_proc.attention_varlen import VarlenPagedAttention, attention_backend_for
 from worker_proc.batch import build_step_batch
 
@@ -42,6 +42,15 @@ def contract_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return out
 
 
+def caches_in_layout(attention: AttentionBackend, caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of [num_slots, kv_heads, head_dim] caches, laid out as `attention` keeps its cache."""
+    layout = attention.kv_layout
+    copies = [torch.empty(layout.shape(c.shape[:1], *c.shape[1:]), dtype=c.dtype) for c in caches]
+    for copy, cache in zip(copies, caches):
+        layout.slots_major(copy).copy_(cache)
+    return copies
+
+
 def mixed_plan(block_size: int) -> StepPlan:
     """A fresh prefill, a chunk continuing mid-prompt, and two decodes of different lengths."""
     pool = BlockPool(16, block_size=block_size)
@@ -62,10 +71,11 @@ def test_varlen_backend_matches_the_reference_on_a_mixed_step(block_size: int) -
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
     k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
 
-    def run(attention: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(attention: AttentionBackend) -> tuple[torch.Tensor, list[torch.Tensor]]:
         meta = build_step_batch(plan, block_size, 16, attention.needs_packed_context).attn
-        caches = [c.clone() for c in cache]
-        return attention.forward(q, k, v, caches[0], caches[1], meta), caches
+        caches = caches_in_layout(attention, cache)
+        out = attention.forward(q, k, v, caches[0], caches[1], meta)
+        return out, [attention.kv_layout.slots_major(c) for c in caches]
 
     want, want_caches = run(TorchPagedAttention())
     got, got_caches = run(backend)

@@ -15,7 +15,7 @@ from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 
 from proto.config import EngineConfig
 from worker_proc.attention import TorchPagedAttention
-from worker_proc.kv_cache import num_kv_blocks_for
+from worker_proc.kv_cache import KVLayout, num_kv_blocks_for
 from worker_proc.loader import load_model
 from worker_proc.model_config import load_model_config, parse_model_config
 from worker_proc.runner import ModelRunner
@@ -38,7 +38,10 @@ def test_runner_allocates_and_reports_the_configured_cache(tiny_model_dir: Path)
                                             kv_cache_memory_bytes=5 * TINY_BYTES_PER_BLOCK_FP32),
                          rank=0, show_progress=False)
     assert runner.num_kv_blocks == 5
-    assert runner.kv_cache.k_blocks[0].shape == (5, 16, 2, 16)
+    assert runner.kv_cache.num_blocks == 5
+    # The CPU reference backend keeps K/V heads-major: [kv_heads, num_blocks, block_size, head_dim].
+    assert runner.kv_cache.layout is KVLayout.HEADS_MAJOR
+    assert runner.kv_cache.k_blocks[0].shape == (2, 5, 16, 16)
     assert len(runner.kv_cache.v_blocks) == 2
 
 
