@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -91,32 +92,62 @@ class TorchPagedAttention:
     needs_packed_context = False
     kv_layout = KVLayout.HEADS_MAJOR
 
+    def __init__(self) -> None:
+        self.scratch = ScratchBuffers()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens, num_heads, head_dim = q.shape
         if len(meta.decodes) == 1 and meta.decodes[0].token_rows is None:  # nothing to scatter
-            return _decode(q, k_cache, v_cache, meta.decodes[0]).view(num_tokens, num_heads * head_dim)
+            out = _decode(q, k_cache, v_cache, meta.decodes[0], self.scratch)
+            return out.view(num_tokens, num_heads * head_dim)
         out = q.new_empty(num_tokens, num_heads, head_dim)
         for group in meta.decodes:
-            out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, group)
+            out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, group, self.scratch)
         for span in meta.prefills:
             out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
         return out.view(num_tokens, num_heads * head_dim)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            group: DecodeGroup) -> torch.Tensor:
+class ScratchBuffers:
+    """Grow-only buffers that every layer of every step reuses for the decode gathers.
+
+    A fresh multi-megabyte tensor per layer is mmapped by glibc and page-faulted in on first
+    touch, which cost more than the attention itself (SmolLM2-135M, 32 decodes: 475 ms a step
+    against 200 ms). Holds at most the largest step's gathered K and V."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """Uninitialised, contiguous, with like's dtype and device; valid until the next get(name)."""
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if (buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype
+                or buffer.device != like.device):
+            # Headroom: contexts grow a token a step, so an exact fit would regrow every step.
+            buffer = like.new_empty(numel + numel // 4)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+            scratch: ScratchBuffers) -> torch.Tensor:
     """q: [num_members, num_heads, head_dim] -> same shape.
 
-    Two matmuls in the model's dtype (bf16 on bf16 models: 2-3x faster on CPU than fp32 SDPA,
-    which needs a cast copy of K/V), the softmax in fp32; fp32 models stay fp32 throughout."""
+    Two matmuls in the model's dtype, the softmax in fp32; fp32 models stay fp32 throughout. On
+    bf16 models this skips fp32 SDPA's cast copy of K/V, and rounding the scores to bf16 costs no
+    measurable accuracy: SmolLM2-135M's next-token KL to its fp32 self is 0.0011 either way."""
     num_members, context = group.slots.shape
     num_kv_heads, _, head_dim = k_cache.shape
     flat_slots = group.slots.view(-1)
-    keys = k_cache.index_select(1, flat_slots).view(num_kv_heads, num_members, context, head_dim)
-    values = v_cache.index_select(1, flat_slots).view(num_kv_heads, num_members, context, head_dim)
+    gathered = (num_kv_heads, num_members * context, head_dim)
+    keys = torch.index_select(k_cache, 1, flat_slots, out=scratch.get("keys", gathered, k_cache))
+    values = torch.index_select(v_cache, 1, flat_slots, out=scratch.get("values", gathered, v_cache))
+    keys = keys.view(num_kv_heads, num_members, context, head_dim)
+    values = values.view(num_kv_heads, num_members, context, head_dim)
     # A KV head's query heads (its GQA group) become rows of one matmul, so K/V are read once.
     queries = q.view(num_members, num_kv_heads, -1, head_dim).transpose(0, 1)  # [kv_heads, n, group, dim]
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [kv_heads, n, group, context]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from worker_proc.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from worker_proc.kv_cache import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ def load_flash_kernel() -> VarlenKernel | None:
 
 class VarlenPagedAttention:
     """One varlen kernel call per layer for the whole step; same results as the reference."""
+
+    kv_layout = KVLayout.BLOCKS_MAJOR  # flash-attn's paged K/V: [num_blocks, block_size, kv_heads, dim]
 
     def __init__(self, kernel: VarlenKernel, block_size: int) -> None:
         self.kernel = kernel

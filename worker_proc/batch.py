@@ -8,7 +8,12 @@ import numpy as np
 import torch
 
 from proto.messages import StepPlan
-from worker_proc.attention import AttentionMetadata, PrefillSpan
+from worker_proc.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+
+# Splitting decodes into a short and a long group costs one more set of kernel launches per layer
+# (~85 us on CPU) and saves gathering the padding (~0.15 us a slot): split only when it saves this
+# many padded slots, with margin. 32 decodes of 300-1000 tokens: 9% less attention time.
+MIN_SPLIT_SAVED_SLOTS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,8 @@ def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int,
     slot_mapping = plan.block_ids[block_index].astype(np.int64) * block_size + positions % block_size
 
     is_decode = num_scheduled == 1
-    decode_members = np.flatnonzero(is_decode)
-    decode_slots, decode_mask = _decode_context(block_tables[decode_members],
-                                                context_lens[decode_members], block_size)
+    decodes = _decode_groups(np.flatnonzero(is_decode), cu_seqlens_q, block_tables, context_lens,
+                             block_size, all_decodes=bool(is_decode.all()))
     prefills = tuple(_prefill_span(block_tables[i], int(cu_seqlens_q[i]), int(num_computed[i]),
                                    int(context_lens[i]), block_size)
                      for i in np.flatnonzero(~is_decode))
@@ -60,9 +64,7 @@ def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int,
         block_tables=torch.from_numpy(block_tables.astype(np.int32)),
         max_seqlen_q=int(num_scheduled.max()),
         max_context_len=int(context_lens.max()),
-        decode_token_rows=torch.from_numpy(cu_seqlens_q[decode_members]) if prefills else None,
-        decode_slots=decode_slots,
-        decode_mask=decode_mask,
+        decodes=decodes,
         prefills=prefills,
         cu_seqlens_k=torch.from_numpy(np.concatenate([[0], np.cumsum(context_lens)]).astype(np.int32)),
         context_slots=(torch.from_numpy(_packed_context_slots(block_tables, context_lens, block_size))
@@ -98,22 +100,44 @@ def _padded_block_tables(plan: StepPlan, context_lens: np.ndarray, block_size: i
     return np.where(valid, plan.block_ids.astype(np.int64)[np.where(valid, index, 0)], 0)
 
 
-def _decode_context(block_tables: np.ndarray, context_lens: np.ndarray,
-                    block_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Slots of every decode member's context, padded to the longest with the member's last slot
-    (already written, so never garbage) and a mask hiding the padding."""
-    if not len(context_lens):
-        return None, None
+def _decode_groups(members: np.ndarray, cu_seqlens_q: np.ndarray, block_tables: np.ndarray,
+                   context_lens: np.ndarray, block_size: int, all_decodes: bool) -> tuple[DecodeGroup, ...]:
+    """members: int64 [num_decodes] batch indices. One group, or two (shorter and longer contexts)
+    when that saves at least MIN_SPLIT_SAVED_SLOTS of padding."""
+    if not len(members):
+        return ()
+    lens = context_lens[members]
+    order = np.argsort(lens, kind="stable")
+    sorted_lens = lens[order]
+    num = len(members)
+    cuts = np.arange(1, num)  # the first `cut` of the sorted members form the short group
+    padded = cuts * sorted_lens[:-1] + (num - cuts) * sorted_lens[-1]  # int64 [num - 1]
+    if num < 2 or num * sorted_lens[-1] - padded.min() < MIN_SPLIT_SAVED_SLOTS:
+        parts = [members]
+    else:
+        cut = int(cuts[padded.argmin()])
+        parts = [members[np.sort(order[:cut])], members[np.sort(order[cut:])]]
+    whole_step = all_decodes and len(parts) == 1
+    return tuple(_decode_group(None if whole_step else torch.from_numpy(cu_seqlens_q[part]),
+                               block_tables[part], context_lens[part], block_size)
+                 for part in parts)
+
+
+def _decode_group(token_rows: torch.Tensor | None, block_tables: np.ndarray, context_lens: np.ndarray,
+                  block_size: int) -> DecodeGroup:
+    """Slots of every member's context, padded to the longest with the member's last slot
+    (already written, so never garbage) and an additive mask hiding the padding."""
     max_len = int(context_lens.max())
     offsets = np.arange(max_len)
-    positions = np.minimum(offsets, context_lens[:, None] - 1)  # int64 [num_decodes, max_len]
+    positions = np.minimum(offsets, context_lens[:, None] - 1)  # int64 [num_members, max_len]
     rows = np.arange(len(context_lens))[:, None]
-    blocks = block_tables[rows, positions // block_size]  # int64 [num_decodes, max_len]
+    blocks = block_tables[rows, positions // block_size]  # int64 [num_members, max_len]
     slots = torch.from_numpy(blocks * block_size + positions % block_size)
     if int(context_lens.min()) == max_len:
-        return slots, None
-    mask = torch.from_numpy(offsets < context_lens[:, None])[:, None, None, :]
-    return slots, mask
+        return DecodeGroup(token_rows, slots, None)
+    padding = offsets >= context_lens[:, None]  # bool [num_members, max_len]
+    mask = np.where(padding, np.float32(-np.inf), np.float32(0))[:, None, :]
+    return DecodeGroup(token_rows, slots, torch.from_numpy(mask))
 
 
 def _packed_context_slots(block_tables: np.ndarray, context_lens: np.ndarray,

@@ -25,6 +25,7 @@ from proto.config import EngineConfig
 from proto.messages import StepPlan
 from worker_proc.attention import AttentionBackend, TorchPagedAttention
 from worker_proc.attention_varlen import VarlenPagedAttention, load_flash_kernel
+from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model import Attention
 from worker_proc.runner import ModelRunner
 
@@ -65,6 +66,13 @@ def use_backend(runner: ModelRunner, backend: AttentionBackend) -> None:
     for module in runner.model.modules():
         if isinstance(module, Attention):
             module.backend = backend
+    cache = runner.kv_cache
+    if cache.layout is not backend.kv_layout:  # each backend reads the cache in its own layout
+        runner.kv_cache = allocate_kv_cache(runner.model.config, cache.num_blocks,
+                                            runner.config.block_size, cache.k_blocks[0].dtype,
+                                            runner.config.tensor_parallel_size, runner.device,
+                                            backend.kv_layout)
+        runner.kv_views = runner.kv_cache.flat_views()
 
 
 def synchronize(device: torch.device) -> None:

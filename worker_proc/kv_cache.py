@@ -6,7 +6,8 @@ Two layouts, chosen by the backend (`AttentionBackend.kv_layout`):
 - HEADS_MAJOR [num_kv_heads, num_blocks, block_size, head_dim]: the torch reference's. One
   index_select over slots then yields contiguous [kv_heads, num_seqs, context, head_dim] for
   batched matmuls; from BLOCKS_MAJOR that needs a transposing copy, or a strided gather that is
-  slower still (SmolLM2-135M decode, 32 members: 6 ms a layer instead of 15).
+  slower still. SmolLM2-135M bf16, 32 decodes of 300-1000 tokens, one thread: 3.9 ms of
+  attention a layer, against 11.6 ms for fp32 SDPA over a BLOCKS_MAJOR cache.
 Either way block ids index blocks as the scheduler allocates them, and the flat view the model
 passes to attention addresses slots (block_id * block_size + offset) along `slot_dim`.
 """

@@ -18,7 +18,8 @@ from worker_proc.layers.norm import RMSNorm
 from worker_proc.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_proc.model_config import ModelConfig
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [num_slots, kv_heads, head_dim]
+# Per layer (K, V), slot-addressed flat views in the backend's kv_layout (kv_cache.KVLayout).
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Attention(nn.Module):

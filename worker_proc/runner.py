@@ -46,7 +46,8 @@ class ModelRunner:
             self.model.pack_for_cpu()
         self.num_kv_blocks = num_kv_blocks_for(config, self.model.config, dtype)
         self.kv_cache = allocate_kv_cache(self.model.config, self.num_kv_blocks, config.block_size,
-                                          dtype, config.tensor_parallel_size, self.device)
+                                          dtype, config.tensor_parallel_size, self.device,
+                                          self.attention.kv_layout)
         self.kv_views = self.kv_cache.flat_views()
         log.info("rank %d ready in %.1f s: %d KV blocks of %d tokens", rank,
                  time.perf_counter() - started, self.num_kv_blocks, config.block_size)
