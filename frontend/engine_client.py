@@ -68,6 +68,7 @@ class ZmqEngineClient:
         self._dead_after_s = dead_after_s
         self._router = OutputRouter()
         self._last_received_s: float | None = None  # this process's monotonic clock
+        self._engine_stopping = False  # the scheduler said its last word: never alive again
         self._started_s = time.monotonic()
         self._context: zmq.Context | None = None
         self._requests: zmq.Socket | None = None  # sync: sends never wait (NOBLOCK)
@@ -105,8 +106,9 @@ class ZmqEngineClient:
         self._router.add_listener(listener)
 
     def is_alive(self) -> bool:
-        """A message was RECEIVED within `alive_timeout_s` (our clock, never the scheduler's)."""
-        heard = self._last_received_s is not None
+        """A message was RECEIVED within `alive_timeout_s` (our clock, never the scheduler's) and the
+        scheduler has not said it is stopping."""
+        heard = self._last_received_s is not None and not self._engine_stopping
         return heard and self.seconds_since_last_message() < self._alive_timeout_s
 
     def seconds_since_last_message(self) -> float:
@@ -146,6 +148,7 @@ class ZmqEngineClient:
             self._router.protocol_error()
             return
         self._last_received_s = time.monotonic()
+        self._engine_stopping = self._engine_stopping or message.engine_stopping
         self._router.route(message, self._last_received_s)
 
     def fail_silent_requests(self) -> None:

@@ -198,6 +198,7 @@ class StepOutputs:
     lp_cu_top: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
     lp_top_token_ids: np.ndarray = field(default_factory=_i32)
     lp_top_logprobs: np.ndarray = field(default_factory=_f32)
+    engine_stopping: bool = False  # the scheduler is exiting: these are its last outputs, not a sign of life
 
     ARRAY_DTYPES = {"cu_new_tokens": np.int32, "new_token_ids": np.int32, "choice_indices": np.int32,
                     "num_cached_tokens": np.int32, "event_choice_indices": np.int32,

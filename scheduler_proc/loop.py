@@ -243,6 +243,8 @@ class SchedulerLoop:
         deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
         if self.num_protocol_errors:
             outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors)
+        if self._should_exit():
+            outputs = dataclasses.replace(outputs, engine_stopping=True)
         if self._send_frame(self._outputs, codec.encode(outputs), deadline):
             self._last_sent_s = time.monotonic()
         elif outputs.num_outputs:

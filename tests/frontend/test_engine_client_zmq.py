@@ -62,3 +62,23 @@ async def test_requests_fail_when_the_scheduler_goes_silent(fake_scheduler, engi
     assert deltas[-1].finish_reason == "error"
     assert "sent nothing" in deltas[-1].error_message
     assert not engine_client.is_alive()
+
+
+def test_the_scheduler_s_last_outputs_do_not_count_as_a_sign_of_life(runtime_dir):
+    import numpy as np
+
+    from proto import codec
+    from proto.messages import StepOutputs
+
+    def outputs(stopping: bool) -> bytes:
+        return codec.encode(StepOutputs(
+            -1, [], np.zeros(1, np.int32), np.zeros(0, np.int32), [], [], 0, 0, 0.0, 0, 0.0, 0.0,
+            engine_stopping=stopping))
+
+    client = ZmqEngineClient(runtime_dir, alive_timeout_s=5.0, dead_after_s=10.0)
+    client.handle_frame(outputs(False))
+    assert client.is_alive()
+    client.handle_frame(outputs(True))
+    assert not client.is_alive()
+    client.handle_frame(outputs(False))  # a stopping scheduler never comes back
+    assert not client.is_alive()

@@ -166,6 +166,9 @@ def test_a_rank_that_does_not_answer_a_step_fails_its_requests_and_stops_the_loo
         assert frontend.log.finish_reasons["a"] == "error"
         assert "worker rank 1 did not answer step" in frontend.log.error_messages["a"]
         assert loop.engine.block_manager.num_free_blocks == NUM_BLOCKS
+        # its last outputs tell the frontend the engine is going away (/health must not recover)
+        assert frontend.log.messages[-1].engine_stopping
+        assert not any(m.engine_stopping for m in frontend.log.messages[:-1])
         failed = codec.decode(sockets.recv_ready(control, 5.0))
         assert isinstance(failed, ProcessFailed) and "worker rank 1 did not answer" in failed.message
         assert "--step-timeout" in failed.message
