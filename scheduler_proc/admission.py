@@ -5,6 +5,7 @@ from __future__ import annotations
 from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.messages import AddRequest
+from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.request import max_num_kv_tokens
 
 
@@ -34,7 +35,7 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
 
 def _kv_capacity_error(num_prompt: int, max_tokens: int, config: EngineConfig, num_kv_blocks: int) -> str:
     num_kv_tokens = max_num_kv_tokens(num_prompt, max_tokens, config.max_model_len)
-    needed_blocks = -(-num_kv_tokens // config.block_size)
+    needed_blocks = blocks_for_tokens(num_kv_tokens, config.block_size)
     if needed_blocks <= num_kv_blocks:
         return ""
     capacity = num_kv_blocks * config.block_size

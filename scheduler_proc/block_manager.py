@@ -15,6 +15,11 @@ from scheduler_proc.block_pool import BlockPool, extend_block_keys
 from scheduler_proc.request import Request, RequestStatus
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """How many blocks of block_size tokens hold num_tokens (rounded up)."""
+    return -(-num_tokens // block_size)
+
+
 class BlockManager:
     """Hands out KV blocks to sequences and takes them back; blocks are reference counted and
     shared (prefix-cache hits, sibling choices), and only full, computed blocks are ever shared,
@@ -46,7 +51,7 @@ class BlockManager:
         return 1.0 - self.pool.num_free / self.num_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def computed_prefix(self, request: Request) -> list[int]:
         """Blocks holding the KV of `request`'s leading full blocks, for a sequence with no blocks.
@@ -79,7 +84,7 @@ class BlockManager:
         """Grow the table to hold `num_tokens` tokens in total, first taking the shared `prefix`
         blocks (from computed_prefix, only for an empty table); all or nothing."""
         table = request.block_table
-        num_new = -(-num_tokens // self.block_size) - len(table) - len(prefix)
+        num_new = self.blocks_for_tokens(num_tokens) - len(table) - len(prefix)
         if not prefix:
             if num_new <= 0:
                 return True

@@ -19,7 +19,6 @@ def build_plan(step_id: int, batch: ScheduledBatch, constants: PlanConstants) ->
     """The plan every rank receives. Members keep the batch order."""
     assert len(batch), "a plan needs at least one member"
     requests = batch.requests
-    num_seqs = len(requests)
     num_computed = np.array(batch.num_computed_tokens, dtype=np.int32)  # int32 [num_seqs]
     num_scheduled = np.array(batch.num_scheduled_tokens, dtype=np.int32)  # int32 [num_seqs]
     sample_mask = np.array(batch.sample, dtype=np.bool_)  # bool [num_seqs]

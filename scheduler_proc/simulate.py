@@ -24,6 +24,7 @@ import numpy as np
 from proto.config import EngineConfig
 from proto.messages import AddRequest, StepPlan, StepResult
 from proto.sampling import SamplingParams
+from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.engine import SchedulerEngine
 
 IDLE, GENERATING, HELD = 0, 1, 2  # seat states in a timeline
@@ -144,7 +145,7 @@ def simulation_config(workload: Workload, num_slots: int, policy: str) -> Engine
     """KV blocks and token budget large enough that only the seat limit and the policy matter."""
     max_len = workload.prompt_len + max(workload.lengths)
     block_size = 16
-    blocks_per_request = -(-max_len // block_size) + 1
+    blocks_per_request = blocks_for_tokens(max_len, block_size) + 1
     return EngineConfig(
         model="simulator", scheduling=policy, max_num_seqs=num_slots, block_size=block_size,
         num_kv_blocks=(num_slots + 1) * blocks_per_request,

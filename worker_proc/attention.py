@@ -43,7 +43,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
-    context_lens: torch.Tensor  # int32 [num_seqs] num_computed_tokens + num_scheduled_tokens
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
     max_seqlen_q: int
     max_context_len: int
@@ -51,12 +50,8 @@ class AttentionMetadata:
     decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
     # For varlen kernels (attention_varlen): the whole ragged batch at once.
-    cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of context_lens
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of each member's context
     context_slots: torch.Tensor | None = None  # int64 [total_context] every member's context, packed
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(group.slots.shape[0] for group in self.decodes)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self)}

@@ -48,19 +48,17 @@ def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int,
     member = np.repeat(np.arange(plan.num_seqs), num_scheduled)  # int64 [num_tokens]
     positions = num_computed[member] + (np.arange(num_tokens) - cu_seqlens_q[member])
     block_tables = _padded_block_tables(plan, context_lens, block_size, num_kv_blocks)
-    block_index = plan.cu_block_ids[member].astype(np.int64) + positions // block_size
-    slot_mapping = plan.block_ids[block_index].astype(np.int64) * block_size + positions % block_size
+    slot_mapping = _slots(block_tables, member, positions, block_size)  # int64 [num_tokens]
 
     is_decode = num_scheduled == 1
     decodes = _decode_groups(np.flatnonzero(is_decode), cu_seqlens_q, block_tables, context_lens,
                              block_size, all_decodes=bool(is_decode.all()))
-    prefills = tuple(_prefill_span(block_tables[i], int(cu_seqlens_q[i]), int(num_computed[i]),
+    prefills = tuple(_prefill_span(block_tables, int(i), int(cu_seqlens_q[i]), int(num_computed[i]),
                                    int(context_lens[i]), block_size)
                      for i in np.flatnonzero(~is_decode))
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping),
         cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
-        context_lens=torch.from_numpy(context_lens.astype(np.int32)),
         block_tables=torch.from_numpy(block_tables.astype(np.int32)),
         max_seqlen_q=int(num_scheduled.max()),
         max_context_len=int(context_lens.max()),
@@ -131,13 +129,18 @@ def _decode_group(token_rows: torch.Tensor | None, block_tables: np.ndarray, con
     offsets = np.arange(max_len)
     positions = np.minimum(offsets, context_lens[:, None] - 1)  # int64 [num_members, max_len]
     rows = np.arange(len(context_lens))[:, None]
-    blocks = block_tables[rows, positions // block_size]  # int64 [num_members, max_len]
-    slots = torch.from_numpy(blocks * block_size + positions % block_size)
+    slots = torch.from_numpy(_slots(block_tables, rows, positions, block_size))
     if int(context_lens.min()) == max_len:
         return DecodeGroup(token_rows, slots, None)
     padding = offsets >= context_lens[:, None]  # bool [num_members, max_len]
     mask = np.where(padding, np.float32(-np.inf), np.float32(0))[:, None, :]
     return DecodeGroup(token_rows, slots, torch.from_numpy(mask))
+
+
+def _slots(block_tables: np.ndarray, rows: np.ndarray | int, positions: np.ndarray,
+           block_size: int) -> np.ndarray:
+    """int64, shaped like positions: the cache slot of position p of member rows (broadcast)."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size
 
 
 def _packed_context_slots(block_tables: np.ndarray, context_lens: np.ndarray,
@@ -146,16 +149,16 @@ def _packed_context_slots(block_tables: np.ndarray, context_lens: np.ndarray,
     members = np.repeat(np.arange(len(context_lens)), context_lens)
     starts = np.cumsum(context_lens) - context_lens
     positions = np.arange(len(members)) - starts[members]
-    return block_tables[members, positions // block_size] * block_size + positions % block_size
+    return _slots(block_tables, members, positions, block_size)
 
 
-def _prefill_span(block_table: np.ndarray, token_start: int, num_computed: int, context_len: int,
-                  block_size: int) -> PrefillSpan:
+def _prefill_span(block_tables: np.ndarray, member: int, token_start: int, num_computed: int,
+                  context_len: int, block_size: int) -> PrefillSpan:
     token_end = token_start + context_len - num_computed
     if num_computed == 0:
         return PrefillSpan(token_start, token_end, None, None)
     context = np.arange(context_len)
-    slots = block_table[context // block_size] * block_size + context % block_size
+    slots = _slots(block_tables, member, context, block_size)
     query_positions = np.arange(num_computed, context_len)
     mask = context[None, :] <= query_positions[:, None]  # bool [num_q, context_len]
     return PrefillSpan(token_start, token_end, torch.from_numpy(slots), torch.from_numpy(mask))

@@ -58,7 +58,7 @@ async def serve_job(state: ServerState, request: Request, job: GenerationJob, fm
             try:
                 await generation.run()
             except EngineUnavailableError as exc:
-                raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error") from exc
+                raise _unavailable(exc) from exc
     if generation.failure is not None:
         return _failure(generation).response()
     body = _envelope(state, generation, fmt.object_name)
@@ -89,13 +89,17 @@ async def _sse_events(state: ServerState, request: Request, generation: Generati
                     if delta.finish_reason in ("stop", "length"):
                         yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))
             except EngineUnavailableError as exc:
-                yield _sse(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error").body())
+                yield _sse(_unavailable(exc).body())
             else:
                 if generation.failure is not None:
                     yield _sse(_failure(generation).body())
                 elif include_usage:
                     yield _sse({**envelope, "choices": [], "usage": _usage(generation)})
             yield "data: [DONE]\n\n"
+
+
+def _unavailable(exc: EngineUnavailableError) -> APIError:
+    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error")
 
 
 def _failure(generation: Generation) -> APIError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,21 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import free_port, tiny_config
+from support import children_of, free_port, process_alive, tiny_config
 
 from deploy.launcher import Stack, StartupError
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); look at its state
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ")[1][0] != "Z"
 
 
 def test_a_worker_that_cannot_load_the_model_fails_start_up_by_name(
@@ -47,7 +36,7 @@ def test_the_stack_stops_every_process_when_one_dies(tiny_model_dir: Path, tmp_p
         scheduler.process.kill()
         reason = stack.watch(lambda: False, poll_s=0.1)
         assert "scheduler" in reason
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
@@ -68,7 +57,7 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                               json={"prompt": "hello", "max_tokens": 3})
         assert response.status_code == 200, response.text
-        children = _children_of(server.pid)
+        children = children_of(server.pid)
         assert len(children) >= 3
         server.send_signal(signal.SIGTERM)
         output, _ = server.communicate(timeout=60)
@@ -77,17 +66,5 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
             server.kill()
     assert server.returncode == 0, output
     assert str(tiny_model_dir) in output  # the model directory is logged at start-up
-    assert not any(_alive(pid) for pid in children)
+    assert not any(process_alive(pid) for pid in children)
 
-
-def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().split(") ")[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import free_port, hf_greedy_texts, tiny_config
+from support import children_of, free_port, hf_greedy_texts, process_alive, tiny_config
 
 from deploy.launcher import Child, Stack
 
@@ -36,14 +36,6 @@ def greedy_texts(base_url: str) -> list[str]:
         assert response.status_code == 200, response.text
         texts.append(response.json()["choices"][0]["text"])
     return texts
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def worker(stack: Stack, rank: int) -> Child:
@@ -94,7 +86,7 @@ def test_killing_one_rank_stops_the_stack_naming_it_and_health_turns_503_first(
     probe.join(timeout=60)
     assert "worker1" in reason and "tensor-parallel rank 1" in reason and "SIGKILL" in reason
     assert probe.codes[0] == 200 and probe.codes[-1] == 503, probe.codes
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_a_rank_that_does_not_answer_a_step_stops_the_stack_naming_it(
@@ -116,7 +108,7 @@ def test_a_rank_that_does_not_answer_a_step_stops_the_stack_naming_it(
     assert response.status_code != 200 and "worker rank 1 did not answer step" in response.text
     assert "scheduler" in reason and "worker rank 1 did not answer step" in reason, reason
     assert probe.codes == [200, 503]
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def free_port_block(size: int) -> int:
@@ -158,7 +150,7 @@ def test_two_supervisors_on_loopback_serve_as_two_nodes(tiny_model_dir: Path,
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    assert not any(alive(pid) for pid in children)
+    assert not any(process_alive(pid) for pid in children)
 
 
 def wait_healthy(url: str, nodes: list[subprocess.Popen]) -> None:
@@ -173,15 +165,3 @@ def wait_healthy(url: str, nodes: list[subprocess.Popen]) -> None:
         time.sleep(0.3)
     raise AssertionError("the two-node stack did not become healthy")
 
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().split(") ")[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
