@@ -38,8 +38,10 @@ class ChoiceOutput:
         self.output = OutputText(tokenizer, prompt_token_ids, stop, min_tokens)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.wants_logprobs = wants_logprobs
+        self.num_tokens = 0  # output tokens consumed (usage, metrics)
+        # Kept only when logprobs are wanted: the final logprobs block is their only reader.
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob | None] = []  # aligned with token_ids when wanted
+        self.logprobs: list[TokenLogprob | None] = []  # aligned with token_ids
         self.num_cached_tokens = 0
         self.finish_reason = ""
         self.error_message = ""
@@ -49,10 +51,6 @@ class ChoiceOutput:
     def text(self) -> str:
         return self.output.text
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
     def push(self, delta: EngineDelta) -> ChoiceDelta | None:
         """Consume one engine delta for this choice; None when there is nothing to tell."""
         if delta.finish_reason:
@@ -61,9 +59,12 @@ class ChoiceOutput:
             return None
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         text = self.output.push(delta.token_ids, final=bool(delta.finish_reason))
-        logprobs = self._align_logprobs(delta) if self.wants_logprobs else ()
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(logprobs)
+        logprobs: tuple[TokenLogprob | None, ...] = ()
+        if self.wants_logprobs:
+            logprobs = self._align_logprobs(delta)
+            self.token_ids.extend(delta.token_ids)
+            self.logprobs.extend(logprobs)
+        self.num_tokens += len(delta.token_ids)
         if self.output.stopped:
             self.finish_reason = "stop"
         elif delta.finish_reason:
@@ -83,5 +84,5 @@ class ChoiceOutput:
     def _align_logprobs(self, delta: EngineDelta) -> tuple[TokenLogprob | None, ...]:
         """The entry of each new token, by its sequence position (None where the engine sent none)."""
         by_position = {entry.position: entry for entry in delta.logprobs}
-        first_position = self.num_prompt_tokens + len(self.token_ids)
+        first_position = self.num_prompt_tokens + self.num_tokens
         return tuple(by_position.get(first_position + offset) for offset in range(len(delta.token_ids)))

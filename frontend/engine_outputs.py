@@ -146,19 +146,23 @@ class OutputRouter:
             outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.kv_cache_usage,
             outputs.num_preemptions_total, outputs.step_duration_s, outputs.wall_time_s)
         entries = _logprobs_by_row(outputs)
+        # Python lists once per message: numpy scalar indexing per row costs more than the copy.
+        num_outputs = outputs.num_outputs
+        choices = outputs.choice_indices.tolist() if len(outputs.choice_indices) else [0] * num_outputs
+        cached = outputs.num_cached_tokens.tolist() if len(outputs.num_cached_tokens) else [0] * num_outputs
+        cu_new_tokens, new_token_ids = outputs.cu_new_tokens.tolist(), outputs.new_token_ids.tolist()
         for row, request_id in enumerate(outputs.request_ids):
             route = self._routes.get(request_id)
             if route is None:
                 continue
-            choice = int(outputs.choice_indices[row]) if len(outputs.choice_indices) else 0
+            choice = choices[row]
             if not 0 <= choice < route.num_choices:
                 logger.error("request %s has %d choices; dropping output for choice %d",
                              request_id, route.num_choices, choice)
                 continue
-            cached = int(outputs.num_cached_tokens[row]) if len(outputs.num_cached_tokens) else 0
-            route.put(EngineDelta(outputs.tokens_of(row).tolist(), outputs.finish_reasons[row],
-                                  outputs.error_messages[row], choice, cached,
-                                  entries.get(row, ()), received_s))
+            token_ids = new_token_ids[cu_new_tokens[row]:cu_new_tokens[row + 1]]
+            route.put(EngineDelta(token_ids, outputs.finish_reasons[row], outputs.error_messages[row],
+                                  choice, cached[row], entries.get(row, ()), received_s))
             if route.done:
                 del self._routes[request_id]
         for listener in self._listeners:

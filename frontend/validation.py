@@ -44,10 +44,11 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: Mod
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
-    prompt_ids = completion_prompt_ids(request.prompt, tokenizer, limits.vocab_size)
+    prompt = _single_prompt(request.prompt)
+    prompt_ids = completion_prompt_ids(prompt, tokenizer, limits.vocab_size)
     room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
     default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    echo_text = _echo_text(request.prompt, prompt_ids, tokenizer) if request.echo else None
+    echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
     return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits,
                 logprob_fields, echo_text)
@@ -68,13 +69,18 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs})
 
 
-def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A string, a list of token ids, or a batch of exactly one of either."""
+def _single_prompt(prompt: Any) -> Any:
+    """The prompt of a batch of exactly one (a string or a list of token ids); others unchanged."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > 1:
             raise bad_request(f"batched prompts are not supported: send one prompt per request, "
                               f"got {len(prompt)}", "prompt")
-        prompt = prompt[0]
+        return prompt[0]
+    return prompt
+
+
+def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """A string or a list of token ids (a batch of one already unwrapped by `_single_prompt`)."""
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
@@ -137,9 +143,7 @@ def _check_num_logprobs(value: int | None, param: str) -> int:
 
 
 def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
-    """The prompt as the client sent it when that was text, else its token ids decoded."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """The (unwrapped) prompt as the client sent it when that was text, else its token ids decoded."""
     if isinstance(prompt, str):
         return prompt
     return tokenizer.decode(prompt_ids, skip_special_tokens=False)

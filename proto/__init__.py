@@ -1,1 +1,1 @@
-"""conveyor's cross-process contract: config, sampling params, messages, codec, sockets."""
+"""conveyor's cross-process contract: config, sampling params, messages, logprob entries, codec, sockets."""

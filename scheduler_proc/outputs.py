@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from proto.logprobs import LogprobEntries, concat_entries
 from proto.messages import EVENT_FINISHED, StepOutputs
-from scheduler_proc.logprobs import LogprobEntries, concat_entries
 from scheduler_proc.request import Request
 
 HEARTBEAT_STEP_ID = -1  # step_id of StepOutputs that belong to no step (heartbeats, flushes)
@@ -131,7 +131,7 @@ class OutputBuffer:
             num_padded_slot_steps_total=stats.num_padded_slot_steps_total,
             prefix_cache_queries_total=stats.prefix_cache_queries_total,
             prefix_cache_hits_total=stats.prefix_cache_hits_total,
-            **concat_entries(self._logprobs).as_output_fields(),
+            **concat_entries(self._logprobs).as_lp_fields(),
         )
         self._reset()
         return outputs

@@ -102,10 +102,6 @@ class Request:
         return self._token_ids.view[:self.num_prompt_tokens]  # int32 [num_prompt_tokens]
 
     @property
-    def output_token_ids(self) -> np.ndarray:
-        return self._token_ids.view[self.num_prompt_tokens:]  # int32 [num_output_tokens]
-
-    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 

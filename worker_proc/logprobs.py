@@ -1,4 +1,4 @@
-"""Log-probabilities of sampled and prompt tokens, in StepResult's entry format.
+"""Log-probabilities of sampled and prompt tokens, as proto LogprobEntries for a StepResult.
 
 They come from the raw model logits: log_softmax before logit_bias, penalties, temperature and
 top-k/top-p (vLLM's default, "raw_logprobs"), so they describe the model, not the sampler. Only
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from proto.logprobs import LogprobEntries
 from proto.messages import StepPlan
 
 
@@ -28,25 +29,6 @@ class PromptTargets:
     @property
     def num_entries(self) -> int:
         return len(self.members)
-
-
-@dataclass(frozen=True)
-class LogprobEntries:
-    """The lp_* fields of a StepResult (see its docstring)."""
-
-    rows: np.ndarray  # int32 [num_entries] member of each entry
-    positions: np.ndarray  # int32 [num_entries]
-    token_ids: np.ndarray  # int32 [num_entries]
-    logprobs: np.ndarray  # float32 [num_entries]
-    cu_top: np.ndarray  # int32 [num_entries + 1]
-    top_token_ids: np.ndarray  # int32 [total_top] descending logprob within each entry
-    top_logprobs: np.ndarray  # float32 [total_top]
-
-    def as_result_fields(self) -> dict[str, np.ndarray]:
-        return {"lp_rows": self.rows, "lp_positions": self.positions,
-                "lp_token_ids": self.token_ids, "lp_logprobs": self.logprobs,
-                "lp_cu_top": self.cu_top, "lp_top_token_ids": self.top_token_ids,
-                "lp_top_logprobs": self.top_logprobs}
 
 
 def prompt_targets(plan: StepPlan) -> PromptTargets:
@@ -104,26 +86,3 @@ def compute_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, members: np
         token_ids=token_ids.numpy().astype(np.int32),
         logprobs=token_logprobs.numpy().astype(np.float32), cu_top=cu_top,
         top_token_ids=top_ids.astype(np.int32), top_logprobs=top_values.astype(np.float32))
-
-
-def concat_entries(parts: list[LogprobEntries]) -> LogprobEntries:
-    """Entries of several groups, one after the other (top-lists re-offset)."""
-    if len(parts) == 1:
-        return parts[0]
-    if not parts:
-        return empty_entries()
-    tops = [p.cu_top[1:] + offset for p, offset in
-            zip(parts, np.cumsum([0] + [len(p.top_token_ids) for p in parts[:-1]]))]
-    return LogprobEntries(
-        rows=np.concatenate([p.rows for p in parts]),
-        positions=np.concatenate([p.positions for p in parts]),
-        token_ids=np.concatenate([p.token_ids for p in parts]),
-        logprobs=np.concatenate([p.logprobs for p in parts]),
-        cu_top=np.concatenate([np.zeros(1, np.int32), *tops]).astype(np.int32),
-        top_token_ids=np.concatenate([p.top_token_ids for p in parts]),
-        top_logprobs=np.concatenate([p.top_logprobs for p in parts]))
-
-
-def empty_entries() -> LogprobEntries:
-    i32, f32 = np.zeros(0, np.int32), np.zeros(0, np.float32)
-    return LogprobEntries(i32, i32, i32, f32, np.zeros(1, np.int32), i32, f32)

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from proto.config import EngineConfig
+from proto.logprobs import LogprobEntries, concat_entries
 from proto.messages import StepPlan, StepResult
 from worker_proc.kv_cache import num_kv_blocks_for
-from worker_proc.logprobs import LogprobEntries, concat_entries, prompt_targets, sampled_asks
+from worker_proc.logprobs import prompt_targets, sampled_asks
 from worker_proc.model_config import DTYPES, parse_model_config
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class NullModelRunner:
                           plan.num_logprobs[members[asks]] if asks.any() else np.zeros(0, np.int64),
                           self.vocab_size)])
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.astype(np.int32), error="",
-                          rank=self.rank, **entries.as_result_fields())
+                          rank=self.rank, **entries.as_lp_fields())
 
 
 def _null_entries(members: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,

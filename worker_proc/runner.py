@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from proto.config import EngineConfig
+from proto.logprobs import concat_entries
 from proto.messages import StepPlan, StepResult
 from worker_proc import parallel
 from worker_proc.attention_varlen import attention_backend_for
@@ -17,8 +18,12 @@ from worker_proc.devices import bind_worker
 from worker_proc.kv_cache import allocate_kv_cache, num_kv_blocks_for
 from worker_proc.layers.linear import cpu_prepack_available
 from worker_proc.loader import load_model
-from worker_proc.logprobs import (PromptTargets, compute_entries, concat_entries, prompt_targets,
-                                  sampled_asks)
+from worker_proc.logprobs import (
+    PromptTargets,
+    compute_entries,
+    prompt_targets,
+    sampled_asks,
+)
 from worker_proc.model_config import DTYPES
 from worker_proc.null_runner import NullModelRunner
 from worker_proc.sampler import sample, sampling_batch_from_plan
@@ -91,7 +96,7 @@ class ModelRunner:
             parts.append(compute_entries(raw, tokens[torch.from_numpy(asks)], members,
                                          batch.sample_positions[asks], plan.num_logprobs[members]))
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.numpy().astype(np.int32),
-                          error="", **concat_entries(parts).as_result_fields())
+                          error="", **concat_entries(parts).as_lp_fields())
 
     @torch.inference_mode()
     def logits_for_all_tokens(self, plan: StepPlan) -> torch.Tensor:

@@ -147,6 +147,16 @@ async def test_echo_without_logprobs_only_prepends_the_prompt(client, engine, to
     assert engine.added[0].sampling_params.prompt_logprobs == -1
 
 
+@pytest.mark.parametrize("prompt", [["The capital"], [[5, 6, 7]]])
+async def test_echo_of_a_batch_of_one_prepends_its_only_prompt(client, engine, tokenizer, prompt):
+    response = await client.post("/v1/completions", json={"prompt": prompt, "echo": True,
+                                                           "max_tokens": 2})
+    only = prompt[0]
+    prompt_text = only if isinstance(only, str) else tokenizer.decode(only)
+    choice = response.json()["choices"][0]
+    assert choice["text"] == prompt_text + tokenizer.decode(engine.reply_token_ids[:2])
+
+
 async def test_chat_logprobs_list_each_token_with_bytes_and_its_top_k(client, engine, tokenizer):
     response = await client.post("/v1/chat/completions", json={
         "messages": USER, "logprobs": True, "top_logprobs": 3, "n": 2, "max_tokens": 4})

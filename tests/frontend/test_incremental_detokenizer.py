@@ -23,14 +23,14 @@ def test_multibyte_characters_are_never_split_across_deltas(tokenizer):
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say hi:"))
     pieces = [detokenizer.push([t]) for t in token_ids]
     assert all("\ufffd" not in piece for piece in pieces)
-    assert "".join(pieces) + detokenizer.flush() == text
+    assert "".join(pieces) + detokenizer.push([], final=True) == text
 
 
-def test_detokenizer_flush_returns_an_incomplete_character_at_the_end(tokenizer):
+def test_a_final_push_returns_an_incomplete_character_at_the_end(tokenizer):
     emoji_ids = tokenizer.encode("🙂", add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer, [5])
     assert detokenizer.push(emoji_ids[:1]) == ""
-    assert "\ufffd" in detokenizer.flush()
+    assert "\ufffd" in detokenizer.push([], final=True)
 
 
 def test_special_tokens_are_left_out_of_the_text(tokenizer):
@@ -69,6 +69,28 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     first_fox_end = len(tokenizer.encode("The fox", add_special_tokens=False))
     output = OutputText(tokenizer, [5], stop=["fox"], min_tokens=first_fox_end + 1)
     assert "".join(stream_text(output, token_ids)) == "The fox and the "
+
+
+def test_a_long_output_streams_the_same_text_and_stops_at_its_end(tokenizer):
+    sentence = "Paris is the capital of France, 你好🙂 wörld. "
+    body = sentence * 200
+    token_ids = tokenizer.encode(body + "THE END and more", add_special_tokens=False)
+    assert len(token_ids) > 2000  # long enough that per-token cost would show if it grew
+    plain = OutputText(tokenizer, [5])
+    assert "".join(stream_text(plain, token_ids)) == plain.text == tokenizer.decode(token_ids)
+    stopped = OutputText(tokenizer, [5], stop=["THE END", "zzz"])
+    pieces = stream_text(stopped, token_ids)
+    assert stopped.stopped
+    assert "".join(pieces) == stopped.text == body
+    assert stopped.num_emitted_chars == len(body)
+    assert not any("THE" in piece for piece in pieces)
+
+
+def test_a_final_step_of_several_tokens_releases_everything_at_once(tokenizer):
+    token_ids = tokenizer.encode("Paris is nice 🙂", add_special_tokens=False)
+    output = OutputText(tokenizer, [5], stop=["nice!"])
+    assert output.push(token_ids[:2]) + output.push(token_ids[2:], final=True) == "Paris is nice 🙂"
+    assert output.text == "Paris is nice 🙂"
 
 
 async def test_stop_string_over_http_finishes_with_stop_and_aborts_the_engine(client, engine):
