@@ -11,6 +11,12 @@ from proto.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
+# On node 0 the frontend and the scheduler share the workers' cores. Leaving them a core costs
+# the workers 1/cores of their compute; sharing cost about 20% on 2 cores (a 48-request burst
+# served with the client on the same cores: 2 threads 1.41x faster than 1, while 2 threads
+# alone are 1.45-1.77x faster; docs/benchmarks.md). So a core is left only where it costs less.
+RESERVE_A_CORE_FROM = 5
+
 
 def local_rank_of(config: EngineConfig, rank: int) -> int:
     """The rank's index among this node's workers."""
@@ -24,10 +30,12 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def worker_cores(config: EngineConfig) -> list[int]:
-    """The cores this node's workers may use: all allowed ones, less one on node 0 if spare."""
-    cores = allowed_cores()
-    if config.node_rank == 0 and len(cores) > config.workers_per_node:
+def worker_cores(config: EngineConfig, cores: list[int] | None = None) -> list[int]:
+    """The cores this node's workers may use (of `cores`, default: the allowed ones): all of them,
+    less one on node 0 when there are at least RESERVE_A_CORE_FROM and one to spare per worker."""
+    cores = allowed_cores() if cores is None else cores
+    if (config.node_rank == 0 and len(cores) >= RESERVE_A_CORE_FROM
+            and len(cores) > config.workers_per_node):
         return cores[:-1]
     return cores
 
@@ -48,10 +56,9 @@ def bind_worker(config: EngineConfig, rank: int) -> torch.device:
     GPU: the supervisor set CUDA_VISIBLE_DEVICES to this rank's one device, so it is cuda:0.
     CPU threads (the whole model on CPU; sampling on GPU): this node's workers split the cores,
     each pinned to its slice so no two ranks' thread pools fight over a core, one thread per
-    core unless num_threads says otherwise. On node 0, when there are cores to spare, one core
-    is left to the frontend and scheduler: an OpenMP thread that loses its core to them stalls
-    every op at the next barrier (measured on 2 cores while serving: a small bf16 linear went
-    from 0.07 ms with 1 thread to 8 ms with 2 threads, see docs/benchmarks.md).
+    core unless num_threads says otherwise. On node 0 with RESERVE_A_CORE_FROM cores or more,
+    one core is left to the frontend and scheduler: an OpenMP thread that loses its core to them
+    stalls every op at the next barrier. On fewer cores that stall costs less than the core.
     """
     share = cpu_share(worker_cores(config), local_rank_of(config, rank), config.workers_per_node)
     if config.workers_per_node > 1 and hasattr(os, "sched_setaffinity"):
