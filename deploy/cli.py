@@ -55,7 +55,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills,
                         help="how many long prompts may be partially prefilled in one step")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes,
-                        help="KV cache budget per worker, e.g. 2GiB (default 1GiB)")
+                        help="CPU: KV cache budget per worker, e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
+                        help="GPU: share of each GPU's memory for weights, activations and the KV "
+                             "cache, which gets what a profiled full-size step leaves (default 0.9)")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
     add_placement_arguments(parser)  # --tensor-parallel-size, --devices, --nnodes, --master-addr...
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads per worker")
@@ -78,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
         dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         max_num_waiting=args.max_num_waiting, scheduling=args.scheduling, null_model=args.null_model,

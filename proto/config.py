@@ -20,7 +20,8 @@ class EngineConfig:
     served_model_name: str = ""
     dtype: str = "bfloat16"
     block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = 1 << 30  # CPU: the KV cache budget per worker
+    gpu_memory_utilization: float = 0.9  # GPU: share of each GPU for weights, activations and KV
     num_kv_blocks: int = 0  # 0 = derive from kv_cache_memory_bytes
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -64,6 +65,9 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValidationError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got "
+                                  f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size",
                      "long_prefill_token_threshold"):
             if getattr(self, name) < 0:

@@ -162,3 +162,24 @@ def _prefill_span(block_tables: np.ndarray, member: int, token_start: int, num_c
     query_positions = np.arange(num_computed, context_len)
     mask = context[None, :] <= query_positions[:, None]  # bool [num_q, context_len]
     return PrefillSpan(token_start, token_end, torch.from_numpy(slots), torch.from_numpy(mask))
+
+
+def synthetic_plan(step_id: int, contexts: np.ndarray, num_scheduled: np.ndarray,
+                   input_ids: np.ndarray, max_blocks: int) -> StepPlan:
+    """A plan of greedy members with contexts[i] tokens, the last num_scheduled[i] of them
+    computed now; member i owns blocks [i * max_blocks, (i + 1) * max_blocks). For benchmarks and
+    the GPU memory profile step."""
+    n = len(contexts)
+    i32 = np.int32
+    return StepPlan(
+        step_id=step_id, request_ids=[f"r{i}" for i in range(n)], input_ids=input_ids.astype(i32),
+        num_computed_tokens=(contexts - num_scheduled).astype(i32),
+        num_scheduled_tokens=num_scheduled.astype(i32),
+        cu_block_ids=(np.arange(n + 1) * max_blocks).astype(i32),
+        block_ids=np.arange(n * max_blocks, dtype=i32), sample_mask=np.ones(n, bool),
+        temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, i32),
+        min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
+        presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
+        seeds=np.zeros(n, np.int64), bias_rows=np.zeros(0, i32), bias_token_ids=np.zeros(0, i32),
+        bias_values=np.zeros(0, np.float32), cu_history=np.zeros(n + 1, i32),
+        history_token_ids=np.zeros(0, i32), history_num_prompt=np.zeros(n, i32))

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from proto.config import EngineConfig
-from proto.messages import StepPlan
 from worker_proc.attention import AttentionBackend, TorchPagedAttention
 from worker_proc.attention_varlen import VarlenPagedAttention, load_flash_kernel
+from worker_proc.batch import synthetic_plan
 from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model import Attention
 from worker_proc.runner import ModelRunner
@@ -40,25 +40,6 @@ def random_model(out_dir: Path) -> Path:
     config = transformers.LlamaConfig(**SMOLLM2_SHAPE)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out_dir))
     return out_dir
-
-
-def step_plan(step_id: int, contexts: np.ndarray, num_scheduled: np.ndarray, input_ids: np.ndarray,
-              block_size: int, max_blocks: int) -> StepPlan:
-    """Greedy members; member i owns blocks [i * max_blocks, (i + 1) * max_blocks)."""
-    n = len(contexts)
-    i32 = np.int32
-    return StepPlan(
-        step_id=step_id, request_ids=[f"r{i}" for i in range(n)], input_ids=input_ids.astype(i32),
-        num_computed_tokens=(contexts - num_scheduled).astype(i32),
-        num_scheduled_tokens=num_scheduled.astype(i32),
-        cu_block_ids=(np.arange(n + 1) * max_blocks).astype(i32),
-        block_ids=np.arange(n * max_blocks, dtype=i32), sample_mask=np.ones(n, bool),
-        temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, i32),
-        min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
-        presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
-        seeds=np.zeros(n, np.int64), bias_rows=np.zeros(0, i32), bias_token_ids=np.zeros(0, i32),
-        bias_values=np.zeros(0, np.float32), cu_history=np.zeros(n + 1, i32),
-        history_token_ids=np.zeros(0, i32), history_num_prompt=np.zeros(n, i32))
 
 
 def use_backend(runner: ModelRunner, backend: AttentionBackend) -> None:
@@ -84,11 +65,10 @@ def time_batch(runner: ModelRunner, batch_size: int, context: int, steps: int,
                max_blocks: int) -> dict[str, float]:
     """Prefill batch_size prompts of `context` tokens (one step each), then time decode steps."""
     rng = np.random.default_rng(0)
-    block_size = runner.config.block_size
     prefill_s = []
     for member in range(batch_size):  # one member per prefill step, at its own blocks
-        plan = step_plan(0, np.array([context]), np.array([context]), rng.integers(10, 1000, context),
-                         block_size, max_blocks)
+        plan = synthetic_plan(0, np.array([context]), np.array([context]),
+                              rng.integers(10, 1000, context), max_blocks)
         plan = replace(plan, block_ids=plan.block_ids + member * max_blocks)
         synchronize(runner.device)
         started = time.perf_counter()
@@ -98,8 +78,8 @@ def time_batch(runner: ModelRunner, batch_size: int, context: int, steps: int,
     decode_s = []
     for step in range(steps):
         contexts = np.full(batch_size, context + 1 + step)
-        plan = step_plan(step + 1, contexts, np.ones(batch_size, np.int64),
-                         rng.integers(10, 1000, batch_size), block_size, max_blocks)
+        plan = synthetic_plan(step + 1, contexts, np.ones(batch_size, np.int64),
+                              rng.integers(10, 1000, batch_size), max_blocks)
         synchronize(runner.device)
         started = time.perf_counter()
         runner.execute(plan)

@@ -30,10 +30,10 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def worker_cores(config: EngineConfig, cores: list[int] | None = None) -> list[int]:
-    """The cores this node's workers may use (of `cores`, default: the allowed ones): all of them,
-    less one on node 0 when there are at least RESERVE_A_CORE_FROM and one to spare per worker."""
-    cores = allowed_cores() if cores is None else cores
+def worker_cores(config: EngineConfig) -> list[int]:
+    """The cores this node's workers may use: all allowed ones, less one on node 0 when there are
+    at least RESERVE_A_CORE_FROM and one to spare beyond a core per worker."""
+    cores = allowed_cores()
     if (config.node_rank == 0 and len(cores) >= RESERVE_A_CORE_FROM
             and len(cores) > config.workers_per_node):
         return cores[:-1]

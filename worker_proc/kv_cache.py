@@ -52,16 +52,55 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype,
     return 2 * model.num_layers * block_size * kv_heads * model.head_dim * element_bytes
 
 
-def num_kv_blocks_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    """`config.num_kv_blocks` when set, else as many blocks as kv_cache_memory_bytes holds."""
+def num_kv_blocks_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+                      gpu_budget_bytes: int | None = None) -> int:
+    """`config.num_kv_blocks` when set, else as many blocks as the budget holds: on a GPU the
+    measured gpu_budget_bytes (gpu_kv_budget_bytes), on the CPU kv_cache_memory_bytes."""
     if config.num_kv_blocks > 0:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, dtype, config.tensor_parallel_size)
-    num_blocks = config.kv_cache_memory_bytes // per_block
+    if gpu_budget_bytes is not None:
+        budget, name = gpu_budget_bytes, "the GPU memory left for the KV cache"
+    else:
+        budget, name = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    num_blocks = budget // per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
-                         f"(one block of {config.block_size} tokens needs {per_block} bytes)")
+        raise ValueError(f"{name} ({budget} bytes) holds no KV block (one block of "
+                         f"{config.block_size} tokens needs {per_block} bytes)")
     return num_blocks
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """One GPU's memory as measured right after the profile step (torch.cuda)."""
+
+    total_bytes: int  # the device's memory
+    free_bytes: int  # free on the device (other processes included)
+    peak_allocated_bytes: int  # this process's tensors at their peak: weights + activations
+    reserved_bytes: int  # what torch's caching allocator holds now
+
+    @classmethod
+    def measure(cls) -> GPUMemory:
+        free, total = torch.cuda.mem_get_info()
+        return cls(total, free, torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved())
+
+
+def gpu_kv_budget_bytes(memory: GPUMemory, utilization: float, profiled_tokens: int) -> int:
+    """Bytes left for the KV cache within `utilization` of the GPU: the share, less the profile
+    step's peak (weights + activations of the largest step) and whatever is not torch's (the
+    CUDA context, NCCL buffers, other processes). Raises ValueError saying what to change."""
+    allowed = int(memory.total_bytes * utilization)
+    not_torch = max(0, memory.total_bytes - memory.free_bytes - memory.reserved_bytes)
+    used = memory.peak_allocated_bytes + not_torch
+    if used >= allowed:
+        gib = 1 << 30
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} allows {allowed / gib:.2f} GiB of the GPU's "
+            f"{memory.total_bytes / gib:.2f} GiB, but the weights and a {profiled_tokens}-token step "
+            f"({memory.peak_allocated_bytes / gib:.2f} GiB) and memory outside torch "
+            f"({not_torch / gib:.2f} GiB) already take {used / gib:.2f} GiB: raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens, or use more GPUs")
+    return allowed - used
 
 
 @dataclass(frozen=True)

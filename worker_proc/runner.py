@@ -13,9 +13,14 @@ from proto.logprobs import concat_entries
 from proto.messages import StepPlan, StepResult
 from worker_proc import parallel
 from worker_proc.attention_varlen import attention_backend_for
-from worker_proc.batch import StepBatch, build_step_batch
+from worker_proc.batch import StepBatch, build_step_batch, synthetic_plan
 from worker_proc.devices import bind_worker
-from worker_proc.kv_cache import allocate_kv_cache, num_kv_blocks_for
+from worker_proc.kv_cache import (
+    GPUMemory,
+    allocate_kv_cache,
+    gpu_kv_budget_bytes,
+    num_kv_blocks_for,
+)
 from worker_proc.layers.linear import cpu_prepack_available
 from worker_proc.loader import load_model
 from worker_proc.logprobs import (
@@ -49,13 +54,51 @@ class ModelRunner:
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_available():
             self.model.pack_for_cpu()
-        self.num_kv_blocks = num_kv_blocks_for(config, self.model.config, dtype)
+        gpu_budget = None
+        if self.device.type == "cuda" and not config.num_kv_blocks:
+            gpu_budget = self._gpu_kv_budget()
+        self.num_kv_blocks = num_kv_blocks_for(config, self.model.config, dtype, gpu_budget)
         self.kv_cache = allocate_kv_cache(self.model.config, self.num_kv_blocks, config.block_size,
                                           dtype, config.tensor_parallel_size, self.device,
                                           self.attention.kv_layout)
         self.kv_views = self.kv_cache.flat_views()
         log.info("rank %d ready in %.1f s: %d KV blocks of %d tokens", rank,
                  time.perf_counter() - started, self.num_kv_blocks, config.block_size)
+
+    def _gpu_kv_budget(self) -> int:
+        """Bytes the KV cache may take on this GPU: what the largest step leaves of the
+        --gpu-memory-utilization share (kv_cache.gpu_kv_budget_bytes)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = self.profile_step()
+        torch.cuda.synchronize()
+        memory = GPUMemory.measure()
+        torch.cuda.empty_cache()
+        budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens)
+        log.info("rank %d: a %d-token step peaks at %.2f GiB; %.2f GiB left for the KV cache",
+                 self.rank, num_tokens, memory.peak_allocated_bytes / (1 << 30), budget / (1 << 30))
+        return budget
+
+    @torch.inference_mode()
+    def profile_step(self) -> int:
+        """Run the largest step a plan can carry (max_num_batched_tokens fresh prompt tokens, at
+        most max_model_len) through a throwaway KV cache just large enough, with the LM head over
+        max_num_seqs rows, so that its activations reach their peak. Returns its token count.
+        Every rank runs it at start-up (the collectives need all of them)."""
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens,
+                         config.max_model_len or self.model.config.max_position_embeddings)
+        num_blocks = -(-num_tokens // config.block_size)
+        scratch = allocate_kv_cache(self.model.config, num_blocks, config.block_size,
+                                    DTYPES[config.dtype], config.tensor_parallel_size, self.device,
+                                    self.attention.kv_layout)
+        tokens = np.array([num_tokens])
+        plan = synthetic_plan(0, tokens, tokens, np.zeros(num_tokens, np.int64), num_blocks)
+        batch = build_step_batch(plan, config.block_size, num_blocks,
+                                 self.attention.needs_packed_context).to(self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, scratch.flat_views())
+        self.model.compute_logits(hidden[:min(num_tokens, config.max_num_seqs)])
+        return num_tokens
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -77,6 +77,12 @@ def test_placement_flags_reach_the_engine_config(tiny_model_dir: Path, no_gpus: 
     assert (config.master_addr, config.master_port, list(config.local_ranks)) == ("10.1.2.3", 31000, [2, 3])
 
 
+def test_gpu_memory_utilization_reaches_the_engine_config(tiny_model_dir: Path) -> None:
+    assert config_from_args(serve_args(tiny_model_dir)).gpu_memory_utilization == 0.9
+    config = config_from_args(serve_args(tiny_model_dir, "--gpu-memory-utilization", "0.6"))
+    assert config.gpu_memory_utilization == 0.6
+
+
 def test_a_tensor_parallel_size_that_splits_kv_heads_unevenly_is_refused(tiny_model_dir: Path,
                                                                          tmp_path: Path) -> None:
     model = tmp_path / "six-heads"

@@ -57,3 +57,16 @@ def test_two_gpus_serve_the_greedy_text_of_hf_over_nccl(tiny_model_dir: Path, tm
                             json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0}
                             ).json()["choices"][0]["text"] for p in PROMPTS]
     assert texts == hf_greedy_texts(tiny_model_dir, PROMPTS, 12)
+
+
+def test_cuda_kv_cache_takes_what_the_profile_step_leaves_of_the_utilization_share(
+        tiny_model_dir: Path) -> None:
+    blocks = {}
+    for utilization in (0.2, 0.4):
+        runner = ModelRunner(tiny_engine_config(tiny_model_dir, num_kv_blocks=0,
+                                                gpu_memory_utilization=utilization),
+                             rank=0, show_progress=False)
+        blocks[utilization] = runner.num_kv_blocks
+        del runner
+        torch.cuda.empty_cache()
+    assert 0 < blocks[0.2] < blocks[0.4]

@@ -104,12 +104,14 @@ def test_cpu_workers_split_the_allowed_cores_evenly(cores: list[int], workers: i
 
 
 @pytest.mark.parametrize("cores, tp, node_rank, expected", [
-    ([0, 1], 1, 0, [0]),  # one core left to the frontend and scheduler
-    ([0, 1], 2, 0, [0, 1]),  # no core to spare: the workers take them all
-    ([0, 1, 2, 3], 1, 1, [0, 1, 2, 3]),  # a worker-only node keeps every core
+    ([0, 1], 1, 0, [0, 1]),  # too few cores: sharing them costs less than giving one up
+    ([0, 1, 2, 3], 1, 0, [0, 1, 2, 3]),
+    ([0, 1, 2, 3, 4], 1, 0, [0, 1, 2, 3]),  # from 5 cores one is left to frontend + scheduler
+    ([0, 1, 2, 3, 4], 5, 0, [0, 1, 2, 3, 4]),  # no core to spare: the workers take them all
+    ([0, 1, 2, 3, 4], 1, 1, [0, 1, 2, 3, 4]),  # a worker-only node keeps every core
     ([0], 1, 0, [0]),
 ])
-def test_node_zero_leaves_a_core_to_the_frontend_when_it_can(
+def test_node_zero_leaves_a_core_to_the_frontend_when_it_pays(
         monkeypatch: pytest.MonkeyPatch, cores: list[int], tp: int, node_rank: int,
         expected: list[int]) -> None:
     from proto.config import EngineConfig
