@@ -45,6 +45,7 @@ class ChoiceOutput:
         self.num_cached_tokens = 0
         self.finish_reason = ""
         self.error_message = ""
+        self.error_code = ""  # the engine's name for the kind of an "error" finish, e.g. "queue_full"
         self.engine_finished = False
 
     @property
@@ -70,6 +71,7 @@ class ChoiceOutput:
         elif delta.finish_reason:
             self.finish_reason = delta.finish_reason
             self.error_message = delta.error_message
+            self.error_code = delta.error_code
         if not (text or delta.token_ids or self.finish_reason):
             return None
         return ChoiceDelta(self.index, text, tuple(delta.token_ids), logprobs, self.finish_reason,

@@ -33,7 +33,9 @@ class EngineClient(Protocol):
     `generate` yields deltas (each naming its choice) until every one of the request's
     `sampling_params.n` choices has had its terminal delta. `abort` tells the scheduler to drop
     the request (all its choices) and, if its stream is still open, ends every open choice with a
-    finish_reason "abort" delta. Listeners see every StepOutputs (metrics).
+    finish_reason "abort" delta. `abort_choice` tells the scheduler to drop one choice that the
+    caller has already ended (a stop string); the stream stays open, and that choice's terminal
+    delta comes from the scheduler. Listeners see every StepOutputs (metrics).
     """
 
     async def start(self) -> None: ...
@@ -44,6 +46,8 @@ class EngineClient(Protocol):
                  sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def abort_choice(self, request_id: str, choice_index: int) -> None: ...
 
     def is_alive(self) -> bool: ...
 
@@ -134,6 +138,14 @@ class ZmqEngineClient:
             self._send(AbortRequest([request_id]))
         except EngineUnavailableError as exc:
             logger.warning("could not send abort for %s: %s", request_id, exc)
+
+    def abort_choice(self, request_id: str, choice_index: int) -> None:
+        if not self._router.is_open(request_id):  # already finished: the scheduler holds nothing
+            return
+        try:
+            self._send(AbortRequest([request_id], np.asarray([choice_index], dtype=np.int32)))
+        except EngineUnavailableError as exc:  # it then runs on until it ends or the request does
+            logger.warning("could not send abort for %s choice %d: %s", request_id, choice_index, exc)
 
     def handle_frame(self, frame: bytes) -> None:
         """Decode and route one OUTPUTS frame; a bad frame is logged and counted, never fatal."""

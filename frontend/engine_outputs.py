@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from proto.messages import StepOutputs
+from proto.messages import ERROR_CODES, StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,9 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class EngineDelta:
-    """One step's news for one choice. `finish_reason` is "" until the choice's single terminal delta."""
+    """One step's news for one choice. `finish_reason` is "" until the choice's single terminal
+    delta; `error_code` names the kind of an "error" finish that has one (proto ERROR_CODES, e.g.
+    "queue_full"), else it is empty."""
 
     token_ids: list[int]
     finish_reason: str = ""
@@ -41,6 +43,7 @@ class EngineDelta:
     num_cached_tokens: int = 0  # prompt tokens this choice got from the prefix cache (as reported)
     logprobs: tuple[TokenLogprob, ...] = ()  # prompt and sampled-token entries, as they came
     received_s: float = field(default=0.0, compare=False)  # our monotonic clock at receipt
+    error_code: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class OutputRouter:
         route = self._routes[request_id] = RequestRoute(num_choices)
         return route
 
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._routes
+
     def discard(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
 
@@ -150,6 +156,7 @@ class OutputRouter:
         num_outputs = outputs.num_outputs
         choices = outputs.choice_indices.tolist() if len(outputs.choice_indices) else [0] * num_outputs
         cached = outputs.num_cached_tokens.tolist() if len(outputs.num_cached_tokens) else [0] * num_outputs
+        codes = [ERROR_CODES[code] for code in outputs.error_codes.tolist()] or [""] * num_outputs
         cu_new_tokens, new_token_ids = outputs.cu_new_tokens.tolist(), outputs.new_token_ids.tolist()
         for row, request_id in enumerate(outputs.request_ids):
             route = self._routes.get(request_id)
@@ -162,7 +169,7 @@ class OutputRouter:
                 continue
             token_ids = new_token_ids[cu_new_tokens[row]:cu_new_tokens[row + 1]]
             route.put(EngineDelta(token_ids, outputs.finish_reasons[row], outputs.error_messages[row],
-                                  choice, cached[row], entries.get(row, ()), received_s))
+                                  choice, cached[row], entries.get(row, ()), received_s, codes[row]))
             if route.done:
                 del self._routes[request_id]
         for listener in self._listeners:

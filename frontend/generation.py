@@ -1,10 +1,10 @@
 """One request's run in the frontend: engine deltas -> per-choice safe text, stop strings, metrics, abort.
 
-n > 1: the scheduler runs the n choices as sibling sequences and can only abort the whole
-request. A choice that meets one of its stop strings is therefore finished HERE and its later
-tokens are ignored, while its siblings keep running; the request is aborted in the scheduler only
-once every choice is final (or the client left). The cost: a stopped choice's sequence may keep
-its seat until its siblings end; the gain: no sibling ever loses tokens to another's stop string.
+n > 1: the scheduler runs the n choices as sibling sequences. A choice that meets one of its stop
+strings is finished HERE and its later tokens are ignored; while its siblings still run, the
+scheduler is told to abort that one choice (its seat and KV blocks are freed at once, and its
+terminal "abort" output only marks it engine-finished here). Once every choice is final, a choice
+the scheduler still runs is dropped with the whole request, as on a client disconnect.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ class Generation:
                 update = self._consume(delta)
                 if self.finished and not all(c.engine_finished for c in self.choices):
                     self._abort_engine()  # the rest run on only for choices we already ended
+                elif update is not None and update.finish_reason:
+                    self._abort_choice_if_running(update.index)
                 if update is not None:
                     yield update
                 if self.finished:
@@ -147,6 +149,12 @@ class Generation:
         if update.finish_reason:
             self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s,
                                                  choice.num_tokens)
+
+    def _abort_choice_if_running(self, index: int) -> None:
+        """A choice that ended here (a stop string) while the scheduler still runs it: free its
+        sequence now rather than when its siblings end."""
+        if not self.choices[index].engine_finished:
+            self._engine.abort_choice(self.request_id, index)
 
     def _abort_engine(self) -> None:
         # Our disconnect watcher and Starlette's cancellation can both fire: one abort is enough.

@@ -95,6 +95,16 @@ def _check_shapes(message: object) -> None:
     elif isinstance(message, messages.AddRequest):
         _need(len(message.prompt_token_ids) > 0, "AddRequest.prompt_token_ids is empty")
         _need(bool((message.prompt_token_ids >= 0).all()), "AddRequest has negative token ids")
+    elif isinstance(message, messages.AbortRequest):
+        _check_abort(message)
+
+
+def _check_abort(message: messages.AbortRequest) -> None:
+    n, choices = len(message.request_ids), message.choice_indices
+    _need(len(choices) in (0, n), f"AbortRequest.choice_indices needs 0 or {n} entries, got {len(choices)}")
+    lowest = int(choices.min()) if len(choices) else 0
+    _need(lowest >= messages.ALL_CHOICES,
+          f"AbortRequest.choice_indices must be >= {messages.ALL_CHOICES} (all choices), got {lowest}")
 
 
 def _check_outputs(message: messages.StepOutputs) -> None:
@@ -104,14 +114,26 @@ def _check_outputs(message: messages.StepOutputs) -> None:
     _check_offsets("StepOutputs.cu_new_tokens", message.cu_new_tokens, n, len(message.new_token_ids))
     bad = set(message.finish_reasons) - set(messages.FINISH_REASONS)
     _need(not bad, f"StepOutputs has unknown finish reasons {sorted(bad)}")
-    for name in ("choice_indices", "num_cached_tokens"):
+    for name in ("choice_indices", "num_cached_tokens", "error_codes"):
         _need(len(getattr(message, name)) in (0, n), f"StepOutputs.{name} needs 0 or {n} entries")
+    _check_error_codes(message)
     num_events = len(message.event_request_ids)
     _need(len(message.event_choice_indices) == num_events and len(message.event_kinds) == num_events
           and len(message.event_times_s) == num_events, "StepOutputs event arrays differ in length")
     _need(num_events == 0 or int(message.event_kinds.max()) < len(messages.EVENT_KINDS),
           "StepOutputs has an unknown event kind")
     _check_logprobs("StepOutputs", message, n)
+
+
+def _check_error_codes(message: messages.StepOutputs) -> None:
+    codes = message.error_codes
+    if not len(codes):
+        return
+    _need(int(codes.max()) < len(messages.ERROR_CODES),
+          f"StepOutputs has an unknown error code {int(codes.max())}")
+    coded = np.flatnonzero(codes).tolist()
+    _need(all(message.finish_reasons[row] == "error" for row in coded),
+          "StepOutputs has an error code on a row that did not finish with \"error\"")
 
 
 def _check_logprobs(where: str, message: object, num_rows: int | None) -> None:

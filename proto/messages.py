@@ -18,6 +18,13 @@ from proto.sampling import SamplingParams
 
 FINISH_REASONS = ("", "stop", "length", "abort", "error")
 
+# Why an "error" finish happened, when the frontend must tell it apart (StepOutputs.error_codes):
+# QUEUE_FULL is a rejection that may succeed later (HTTP 429), NONE every other error.
+ERROR_NONE, ERROR_QUEUE_FULL = range(2)
+ERROR_CODES = ("", "queue_full")
+
+ALL_CHOICES = -1  # an AbortRequest.choice_indices entry: every choice of the request
+
 # Request lifecycle events that ride with StepOutputs (scheduler wall clock), for metrics.
 EVENT_QUEUED, EVENT_SCHEDULED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_FINISHED = range(5)
 EVENT_KINDS = ("queued", "scheduled", "first_token", "preempted", "finished")
@@ -56,7 +63,14 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
+    """Abort choice choice_indices[i] of request request_ids[i] (ALL_CHOICES: all of them); with
+    no choice_indices, every choice of every listed request. One choice of an n > 1 request is
+    aborted alone when the frontend has ended it (a stop string) while its siblings run on."""
+
     request_ids: list[str]
+    choice_indices: np.ndarray = field(default_factory=_i32)  # int32 [num_request_ids] or empty
+
+    ARRAY_DTYPES = {"choice_indices": np.int32}
 
 
 @dataclass(frozen=True)
@@ -165,7 +179,9 @@ class StepOutputs:
 
     `new_token_ids[cu_new_tokens[i]:cu_new_tokens[i+1]]` are request i's new tokens.
     `finish_reasons[i]` is "" while the request runs; each request gets exactly one non-empty
-    reason, ever. Timestamps are the scheduler's wall clock (time.time()).
+    reason, ever. `error_codes[i]` (an ERROR_* value, only on an "error" finish) says what kind
+    of error it was; empty = ERROR_NONE for every row. Timestamps are the scheduler's wall clock
+    (time.time()).
     """
 
     step_id: int  # -1 for an idle heartbeat
@@ -199,9 +215,10 @@ class StepOutputs:
     lp_top_token_ids: np.ndarray = field(default_factory=_i32)
     lp_top_logprobs: np.ndarray = field(default_factory=_f32)
     engine_stopping: bool = False  # the scheduler is exiting: these are its last outputs, not a sign of life
+    error_codes: np.ndarray = field(default_factory=_u8)  # uint8 [num_outputs] ERROR_* values; empty = none
 
     ARRAY_DTYPES = {"cu_new_tokens": np.int32, "new_token_ids": np.int32, "choice_indices": np.int32,
-                    "num_cached_tokens": np.int32, "event_choice_indices": np.int32,
+                    "num_cached_tokens": np.int32, "error_codes": np.uint8, "event_choice_indices": np.int32,
                     "event_kinds": np.uint8, "event_times_s": np.float64, **_LOGPROB_DTYPES}
 
     @property

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 from proto.config import EngineConfig
 from proto.errors import ValidationError
-from proto.messages import AddRequest
+from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, AddRequest
 from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.request import max_num_kv_tokens
 
 
 def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int,
-                     num_waiting: int) -> str:
-    """"" if the request may queue; otherwise the error message it finishes with.
+                     num_waiting: int) -> tuple[str, int]:
+    """("", ERROR_NONE) if the request may queue; otherwise the error message it finishes with and
+    its ERROR_* code: ERROR_QUEUE_FULL for a full waiting queue (it may succeed later, the
+    frontend answers 429), ERROR_NONE for a request that can never run.
 
     Rejecting here, rather than letting it wait, is what keeps an impossible request from
     waiting forever: such a request would never fit, however long the others take.
     """
     if num_waiting >= config.max_num_waiting:
         return (f"the waiting queue is full: {num_waiting} requests are waiting and "
-                f"max_num_waiting is {config.max_num_waiting}")
+                f"max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
+    return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
+
+
+def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int) -> str:
     prompt = message.prompt_token_ids
     num_prompt = len(prompt)
     if config.max_model_len and num_prompt > config.max_model_len:

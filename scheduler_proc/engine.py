@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from proto.config import EngineConfig
-from proto.messages import (EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED, EVENT_SCHEDULED, AddRequest,
-                            StepOutputs, StepPlan, StepResult)
+from proto.messages import (ALL_CHOICES, ERROR_NONE, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
+                            EVENT_SCHEDULED, AddRequest, StepOutputs, StepPlan, StepResult)
 from scheduler_proc.admission import rejection_reason
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.choices import make_choices
@@ -86,16 +86,16 @@ class SchedulerEngine:
     def add(self, message: AddRequest) -> None:
         """Queue a new request's choices, or finish each at once with "error" if it can never run."""
         request_id, params, now = message.request_id, message.sampling_params, time.time()
-        reason = rejection_reason(message, self.config, self.block_manager.num_blocks,
-                                  len(self.queues.waiting) + self.queues.num_held)
+        reason, error_code = rejection_reason(message, self.config, self.block_manager.num_blocks,
+                                              len(self.queues.waiting) + self.queues.num_held)
         duplicate = request_id in self._requests
         if duplicate:
             logger.warning("duplicate request id %r rejected", request_id)
-            reason = f"request id {request_id!r} is already in use"
+            reason, error_code = f"request id {request_id!r} is already in use", ERROR_NONE
         if reason:
             for choice_index in range(params.n):
                 self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, "error", reason, now,
-                                  finished_event=not duplicate)
+                                  finished_event=not duplicate, error_code=error_code)
             return
         # A drawn seed is kept for the request's life, so recompute after preemption resamples
         # exactly the same tokens.
@@ -107,13 +107,18 @@ class SchedulerEngine:
         self._requests[request_id] = list(choices)
         self.queues.add(choices)
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Finish every unfinished choice of each request with reason "abort"; unknown ids (already
-        finished, never seen) are ignored, since the frontend may abort after the final output."""
+    def abort(self, request_ids: Sequence[str], choice_indices: Sequence[int] = ()) -> None:
+        """Finish with reason "abort" choice choice_indices[i] of request request_ids[i], or every
+        unfinished choice of it (ALL_CHOICES, or no choice_indices at all). Its blocks and seat are
+        released now and it gets no more tokens; its siblings run on. Unknown ids and choices
+        that finished already are ignored, since the frontend may abort after the final output."""
         now = time.time()
-        for request_id in request_ids:
+        if not len(choice_indices):
+            choice_indices = [ALL_CHOICES] * len(request_ids)
+        for request_id, choice_index in zip(request_ids, choice_indices):
             for request in list(self._requests.get(request_id, ())):
-                self._finish(request, "abort", now=now)
+                if choice_index in (ALL_CHOICES, request.choice_index):
+                    self._finish(request, "abort", now=now)
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to compute."""
@@ -260,7 +265,6 @@ class SchedulerEngine:
         """Give the sequence its one terminal output and release its seat and blocks now; its
         held siblings (if it is choice 0 and still holds them) are queued. The output's row."""
         status = request.status
-        assert status is not RequestStatus.HELD, f"{request} is held; its choice 0 finishes first"
         request.finish(reason, error_message)
         choices = self._requests[request.request_id]
         choices.remove(request)
@@ -268,6 +272,8 @@ class SchedulerEngine:
             del self._requests[request.request_id]
         if status is RequestStatus.RUNNING:
             self.policy.release(request)
+        elif status is RequestStatus.HELD:  # only an abort of this one choice ends a held sibling
+            self.queues.drop_held(request)
         else:
             self.queues.waiting.remove(request)
         if request.held_siblings:

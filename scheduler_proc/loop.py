@@ -175,7 +175,7 @@ class SchedulerLoop:
             if isinstance(message, AddRequest):
                 self.engine.add(message)
             elif isinstance(message, AbortRequest):
-                self.engine.abort(message.request_ids)
+                self.engine.abort(message.request_ids, message.choice_indices.tolist())
             elif message is not None:
                 self._count_bad(f"unexpected {type(message).__name__} on the requests channel")
 

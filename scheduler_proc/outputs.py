@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from proto.logprobs import LogprobEntries, concat_entries
-from proto.messages import EVENT_FINISHED, StepOutputs
+from proto.messages import ERROR_NONE, EVENT_FINISHED, StepOutputs
 from scheduler_proc.request import Request
 
 HEARTBEAT_STEP_ID = -1  # step_id of StepOutputs that belong to no step (heartbeats, flushes)
@@ -59,6 +59,7 @@ class OutputBuffer:
         self._owners: list[Request | OutputOwner] = []  # per row
         self._token_ids: list[int] = []  # per row: its new token, or -1 for none
         self._finishes: dict[int, tuple[str, str]] = {}  # row -> (finish reason, error message)
+        self._error_codes: dict[int, int] = {}  # row -> ERROR_* code, for the rare coded errors
         self._event_request_ids: list[str] = []
         self._event_choice_indices: list[int] = []
         self._event_kinds: list[int] = []
@@ -69,12 +70,17 @@ class OutputBuffer:
         return len(self._owners)
 
     def add(self, owner: Request | OutputOwner, token_id: int = -1, finish_reason: str = "",
-            error_message: str = "", time_s: float = 0.0, finished_event: bool = True) -> int:
+            error_message: str = "", time_s: float = 0.0, finished_event: bool = True,
+            error_code: int = ERROR_NONE) -> int:
         """Queue one output (a terminal one also gets a FINISHED event at `time_s`, unless it
-        answers a duplicate request id, whose lifecycle belongs to the live request); its row."""
+        answers a duplicate request id, whose lifecycle belongs to the live request); its row.
+        `error_code` (an ERROR_* value) only goes with finish_reason "error"."""
         row = len(self._owners)
         self._owners.append(owner)
         self._token_ids.append(token_id)
+        if error_code != ERROR_NONE:
+            assert finish_reason == "error", f"error code {error_code} on a {finish_reason!r} finish"
+            self._error_codes[row] = error_code
         if finish_reason:
             self._finishes[row] = (finish_reason, error_message)
             if finished_event:
@@ -108,6 +114,10 @@ class OutputBuffer:
         finish_reasons, error_messages = [""] * len(owners), [""] * len(owners)
         for row, (reason, message) in self._finishes.items():
             finish_reasons[row], error_messages[row] = reason, message
+        # uint8 [num_outputs] ERROR_* codes; empty (the common case) when no row has one
+        error_codes = np.zeros(len(owners) if self._error_codes else 0, dtype=np.uint8)
+        for row, code in self._error_codes.items():
+            error_codes[row] = code
         outputs = StepOutputs(
             step_id=step_id,
             request_ids=[owner.request_id for owner in owners],
@@ -123,6 +133,7 @@ class OutputBuffer:
             wall_time_s=time.time(),
             choice_indices=np.array([o.choice_index for o in owners], dtype=np.int32),  # int32 [num_outputs]
             num_cached_tokens=np.array([o.num_cached_tokens for o in owners], dtype=np.int32),
+            error_codes=error_codes,
             event_request_ids=self._event_request_ids,
             event_choice_indices=np.array(self._event_choice_indices, dtype=np.int32),  # int32 [num_events]
             event_kinds=np.array(self._event_kinds, dtype=np.uint8),  # uint8 [num_events]

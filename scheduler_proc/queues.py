@@ -54,6 +54,11 @@ class RequestQueues:
             self.waiting.appendleft(sibling)
         self.num_held -= len(siblings)
 
+    def drop_held(self, sibling: Request) -> None:
+        """Forget a held sibling that finished (aborted alone) before its choice 0 released it."""
+        sibling.leader.held_siblings.remove(sibling)
+        self.num_held -= 1
+
     def check_invariants(self, max_num_seqs: int) -> None:
         assert all(r.status is RequestStatus.WAITING for r in self.waiting)
         assert all(r.status is RequestStatus.RUNNING for r in self.running)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -18,9 +17,6 @@ from frontend.errors import APIError
 from frontend.generation import Generation, abort_on_disconnect
 from frontend.state import ServerState
 from frontend.validation import GenerationJob
-
-# The scheduler reports a full waiting queue as an "error" finish; its message is the only signal.
-_QUEUE_FULL = re.compile(r"queue.*full|max_num_waiting", re.IGNORECASE)
 
 
 class ResponseFormat(Protocol):
@@ -109,7 +105,7 @@ def _failure(generation: Generation) -> APIError:
     message = generation.error_message or failed.error_message or "the request was aborted"
     if failed.finish_reason == "abort":
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, "aborted")
-    if _QUEUE_FULL.search(message):
+    if failed.error_code == "queue_full":  # the scheduler's admission said so, by code
         return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limit_error", None, "queue_full")
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
-from proto.messages import (EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
-                            EVENT_SCHEDULED, StepOutputs)
+from proto.messages import (ERROR_NONE, EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED,
+                            EVENT_QUEUED, EVENT_SCHEDULED, StepOutputs)
 from proto.sampling import SamplingParams
 
 QUEUE_S, PREFILL_S, DECODE_STEP_S = 0.25, 0.5, 0.125  # fake scheduler clock per phase
@@ -41,6 +41,7 @@ class _Row:
     token_ids: list[int]
     finish_reason: str = ""
     error_message: str = ""
+    error_code: int = ERROR_NONE
     entries: list[tuple[int, int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
@@ -49,8 +50,9 @@ class FakeEngineClient:
     `tokens_per_step` a step, with lifecycle events, logprobs and stats like the scheduler's.
 
     A choice ends with "length" when max_tokens cuts its reply, else with `finish_reason`. With
-    `hang` it sends the replies but never finishes (until aborted); with `fail_with` it errors at
-    once. Every step is routed at once; the request's stream then reads them at its own pace.
+    `hang` it sends the replies but never finishes (until aborted, or `finish_running`); with
+    `fail_with` it errors at once (with the ERROR_* code `fail_code`). Every step is routed at
+    once; the request's stream then reads them at its own pace.
     """
 
     def __init__(self, reply_token_ids: list[int]) -> None:
@@ -59,6 +61,7 @@ class FakeEngineClient:
         self.tokens_per_step = 1
         self.finish_reason = "stop"
         self.fail_with = ""
+        self.fail_code = ERROR_NONE
         self.hang = False
         self.preempt = False  # each request is preempted once, after its first token
         self.alive = True
@@ -68,6 +71,7 @@ class FakeEngineClient:
         self.scheduler_protocol_errors = 0
         self.added: list[AddedRequest] = []
         self.aborted: list[str] = []
+        self.aborted_choices: list[tuple[str, int]] = []
         self.started = False
         self.router = OutputRouter()
         self.totals = {"num_preemptions_total": 0, "prefix_cache_queries_total": 0,
@@ -108,6 +112,22 @@ class FakeEngineClient:
         events = [(request_id, choice, EVENT_FINISHED) for choice in sorted(open_choices)]
         self._send(request_id, [], events, step=False)
 
+    def abort_choice(self, request_id: str, choice_index: int) -> None:
+        self.aborted_choices.append((request_id, choice_index))
+        if choice_index in self._running.get(request_id, ()):
+            self.finish_running(request_id, "abort", choices=(choice_index,))
+
+    def finish_running(self, request_id: str, finish_reason: str = "stop",
+                       choices: tuple[int, ...] = ()) -> None:
+        """End a hanging request's running `choices` (default: all of them) with `finish_reason`."""
+        running = self._running.get(request_id, set())
+        ended = sorted(set(choices or running) & running)
+        running.difference_update(ended)
+        if not running:
+            self._running.pop(request_id, None)
+        self._send(request_id, [_Row(c, [], finish_reason) for c in ended],
+                   [(request_id, c, EVENT_FINISHED) for c in ended], step=False)
+
     def reply_of(self, choice: int) -> list[int]:
         return self.choice_replies[choice] if self.choice_replies else self.reply_token_ids
 
@@ -119,7 +139,7 @@ class FakeEngineClient:
         self._send(request_id, [], [(request_id, c, EVENT_SCHEDULED) for c in choices], step=False)
         self._clock_s += PREFILL_S
         if self.fail_with:
-            rows = [_Row(c, [], "error", self.fail_with) for c in choices]
+            rows = [_Row(c, [], "error", self.fail_with, self.fail_code) for c in choices]
             self._send(request_id, rows, [(request_id, c, EVENT_FINISHED) for c in choices])
             return
         replies = [self.reply_of(c)[:params.max_tokens] for c in choices]
@@ -187,6 +207,7 @@ class FakeEngineClient:
             step_duration_s=STEP_DURATION_S if step else 0.0, wall_time_s=self._clock_s,
             choice_indices=np.array([r.choice for r in rows], dtype=np.int32),
             num_cached_tokens=np.full(len(rows), self.num_cached_tokens, dtype=np.int32),
+            error_codes=np.array([r.error_code for r in rows], dtype=np.uint8),
             event_request_ids=[e[0] for e in events],
             event_choice_indices=np.array([e[1] for e in events], dtype=np.int32),
             event_kinds=np.array([e[2] for e in events], dtype=np.uint8),

@@ -84,6 +84,27 @@ async def test_stop_string_in_one_choice_does_not_cut_its_sibling(client, engine
     assert (choices[1]["text"], choices[1]["finish_reason"]) == (sibling_text, "stop")
     assert response.json()["usage"]["completion_tokens"] < len(reply) + len(sibling)
     assert engine.aborted == []  # choice 0's sequence had ended in the engine before choice 1's
+    assert engine.aborted_choices == [(engine.added[0].request_id, 0)]
+
+
+async def test_a_choice_that_meets_its_stop_string_is_aborted_alone_while_its_sibling_runs_on(
+        client, engine, tokenizer):
+    engine.hang = True  # the engine runs each choice until it is aborted or told to finish
+    sibling_text = " and the quick brown fox jumps over the lazy dog again"
+    engine.choice_replies = [engine.reply_token_ids, tokenizer.encode(sibling_text, add_special_tokens=False)]
+    pending = asyncio.create_task(client.post("/v1/completions", json={
+        "prompt": "x", "n": 2, "stop": " capital", "max_tokens": 50}))
+    while not engine.aborted_choices:
+        await asyncio.sleep(0.01)
+    request_id = engine.added[0].request_id
+    assert engine.aborted_choices == [(request_id, 0)] and engine.aborted == []
+    assert not pending.done()  # choice 1 still runs
+    engine.finish_running(request_id, "stop")
+    response = await asyncio.wait_for(pending, 5)
+    choices = response.json()["choices"]
+    assert (choices[0]["text"], choices[0]["finish_reason"]) == ("Paris is the", "stop")
+    assert (choices[1]["text"], choices[1]["finish_reason"]) == (sibling_text, "stop")
+    assert engine.aborted == []  # both sequences had ended in the engine: nothing to abort
 
 
 async def test_request_is_aborted_once_every_choice_met_its_stop_string(client, engine):
@@ -92,6 +113,7 @@ async def test_request_is_aborted_once_every_choice_met_its_stop_string(client, 
                                                            "max_tokens": 50})
     assert [c["text"] for c in response.json()["choices"]] == ["Paris is the", "Paris is the"]
     assert engine.aborted == [engine.added[0].request_id]
+    assert engine.aborted_choices == [(engine.added[0].request_id, 0)]  # the last one ends it all
 
 
 async def test_client_abort_ends_every_choice(client, engine):

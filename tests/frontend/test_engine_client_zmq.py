@@ -52,7 +52,24 @@ async def test_abort_reaches_the_scheduler_and_ends_the_stream(fake_scheduler, e
     engine_client.abort("cmpl-held")
     assert await asyncio.wait_for(pending, 5) == EngineDelta([], "abort")
     await wait_until(lambda: len(fake_scheduler.received) == 2)
-    assert fake_scheduler.received[1] == AbortRequest(["cmpl-held"])
+    abort = fake_scheduler.received[1]
+    assert isinstance(abort, AbortRequest) and abort.request_ids == ["cmpl-held"]
+    assert abort.choice_indices.tolist() == []  # every choice
+
+
+async def test_abort_of_one_choice_reaches_the_scheduler_and_leaves_the_stream_open(
+        fake_scheduler, engine_client):
+    stream = engine_client.generate("cmpl-two", [0, 1], SamplingParams(n=2))
+    pending = asyncio.ensure_future(stream.__anext__())
+    await wait_until(lambda: fake_scheduler.received)
+    engine_client.abort_choice("cmpl-two", 1)
+    await wait_until(lambda: len(fake_scheduler.received) == 2)
+    abort = fake_scheduler.received[1]
+    assert isinstance(abort, AbortRequest) and abort.request_ids == ["cmpl-two"]
+    assert abort.choice_indices.tolist() == [1]
+    assert not pending.done() and engine_client.num_in_flight == 1  # its deltas come from the scheduler
+    engine_client.abort("cmpl-two")
+    assert (await asyncio.wait_for(pending, 5)).finish_reason == "abort"
 
 
 async def test_requests_fail_when_the_scheduler_goes_silent(fake_scheduler, engine_client):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from frontend.engine_outputs import EngineDelta, OutputRouter, TokenLogprob
-from proto.messages import StepOutputs
+from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, StepOutputs
 
 pytestmark = pytest.mark.anyio
 
@@ -51,6 +51,13 @@ async def test_rows_reach_their_choice_with_their_logprob_entries_and_cache_hits
                       EngineDelta([8], "stop", choice_index=1)]
     assert deltas[0].received_s == 5.0
     assert other.queue.qsize() == 1 and len(router) == 1  # "a" is done, "b" still runs
+
+
+async def test_an_error_code_reaches_its_choice_by_name():
+    message = outputs([("a", 0, [], "error"), ("a", 1, [], "error")],
+                      error_codes=np.array([ERROR_QUEUE_FULL, ERROR_NONE], np.uint8))
+    deltas = await collect(OutputRouter(), "a", 2, [message])
+    assert [(d.choice_index, d.error_code) for d in deltas] == [(0, "queue_full"), (1, "")]
 
 
 async def test_abort_ends_only_the_choices_still_open():

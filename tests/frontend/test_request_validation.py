@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from frontend.protocol import DetokenizeRequest
+from proto.messages import ERROR_QUEUE_FULL
 
 pytestmark = pytest.mark.anyio
 
@@ -144,14 +145,22 @@ async def test_server_keeps_serving_after_every_bad_request(client):
     assert response.status_code == 200
 
 
-async def test_engine_error_is_a_500_and_a_full_queue_a_429(client, engine):
+async def test_engine_error_is_a_500_and_a_full_queue_a_429_by_its_code_not_its_text(client, engine, sse):
     engine.fail_with = "worker rank 0 failed: out of memory"
     response = await client.post("/v1/completions", json={"prompt": "x"})
     assert_openai_error(response, 500, None, "out of memory")
     assert response.json()["error"]["type"] == "server_error"
-    engine.fail_with = "the waiting queue is full (1024 requests)"
-    response = await client.post("/v1/chat/completions", json={"messages": USER})
-    assert_openai_error(response, 429, None, "queue is full")
+    engine.fail_with = "the waiting queue is full (1024 requests)"  # but with no code: a 500
+    response = await client.post("/v1/completions", json={"prompt": "x"})
+    assert_openai_error(response, 500, None, "queue is full")
+    engine.fail_with, engine.fail_code = "try again later", ERROR_QUEUE_FULL
+    response = await client.post("/v1/chat/completions", json={"messages": USER, "n": 2})
+    assert_openai_error(response, 429, None, "try again later")
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+    streamed = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    events, done = sse(streamed.text)
+    assert done and events[-1]["error"]["code"] == "queue_full"
 
 
 async def test_engine_error_while_streaming_sends_an_error_event_then_done(client, engine, sse):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import sse_events
+from support import metric_value, sse_events
 
 from deploy.launcher import Stack
 from frontend.tokenizer import Tokenizer
@@ -71,6 +71,39 @@ def test_streamed_choices_carry_their_index_and_match_the_unstreamed_ones(stack:
             if choice["finish_reason"]:
                 finishes[choice["index"]].append(choice["finish_reason"])
     assert texts == expected and finishes == [["length"], ["length"]]
+
+
+def early_stop_string(text: str, sibling: str) -> str:
+    """A printable piece of the first quarter of `text`, not earlier in it and nowhere in `sibling`."""
+    for start in range(1, len(text) // 4):
+        for size in (4, 6, 8):
+            piece = text[start:start + size]
+            readable = piece.isascii() and piece.isprintable()
+            if readable and text.index(piece) == start and piece not in sibling:
+                return piece
+    pytest.fail(f"no early stop string in {text!r} that {sibling!r} lacks")
+
+
+def test_a_choice_stopped_early_by_a_stop_string_stops_computing_while_its_sibling_runs_on(
+        stack: Stack) -> None:
+    max_tokens = 128
+    request = {"prompt": "Once upon a time", "n": 2, "max_tokens": max_tokens, "temperature": 1.0,
+               "seed": 4321, "ignore_eos": True}
+    iteration_tokens = "conveyor:iteration_tokens_total_sum"  # tokens the workers computed
+    post(stack, "/v1/completions", request)  # puts the prompt in the prefix cache for both runs below
+    before = metric_value(stack.url, iteration_tokens)
+    full = [c["text"] for c in post(stack, "/v1/completions", request)["choices"]]
+    full_cost = metric_value(stack.url, iteration_tokens) - before
+    stop = early_stop_string(full[0], full[1])
+    before = metric_value(stack.url, iteration_tokens)
+    choices = post(stack, "/v1/completions", {**request, "stop": stop})["choices"]
+    cost = metric_value(stack.url, iteration_tokens) - before
+    assert (choices[0]["text"], choices[0]["finish_reason"]) == (full[0][:full[0].index(stop)], "stop")
+    assert (choices[1]["text"], choices[1]["finish_reason"]) == (full[1], "length")
+    # choice 0 met its stop string within about its first quarter; without a per-choice abort it
+    # would have run all max_tokens alongside its sibling (the slack covers the abort's latency)
+    assert cost <= full_cost - max_tokens // 4, f"{cost} tokens computed with the stop, {full_cost} without"
+    assert metric_value(stack.url, "conveyor:kv_cache_usage_perc") == 0
 
 
 def test_logprobs_of_greedy_tokens_equal_hf_log_softmax(stack: Stack, tiny_model_dir: Path) -> None:

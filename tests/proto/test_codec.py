@@ -44,11 +44,15 @@ def _assert_equal(a: object, b: object) -> None:
                         SamplingParams(temperature=0.5, seed=3, stop_token_ids=(1, 2),
                                        logit_bias=((4, -1.5),)), 12.5),
     messages.AbortRequest(["a", "b"]),
+    messages.AbortRequest(["a", "b"], np.asarray([1, messages.ALL_CHOICES], dtype=np.int32)),
     _plan(),
     messages.StepResult(7, np.asarray([1, 2], dtype=np.int32), ""),
     messages.WorkerReady(0, 128, 42),
     messages.StepOutputs(3, ["a"], np.asarray([0, 2], dtype=np.int32), np.asarray([9, 8], dtype=np.int32),
                          ["length"], [""], 1, 0, 0.25, 0, 0.01, 1.0),
+    messages.StepOutputs(-1, ["a", "b"], np.zeros(3, dtype=np.int32), np.zeros(0, dtype=np.int32),
+                         ["error", "stop"], ["the waiting queue is full", ""], 0, 2, 0.0, 0, 0.0, 1.0,
+                         error_codes=np.asarray([messages.ERROR_QUEUE_FULL, 0], dtype=np.uint8)),
     messages.ProcessReady("scheduler", 1, "ok"),
     messages.ProcessFailed("worker0", 2, "no model"),
 ])
@@ -77,6 +81,28 @@ def test_outputs_with_unknown_finish_reason_are_rejected() -> None:
     message = messages.StepOutputs(1, ["a"], np.asarray([0, 0], dtype=np.int32), np.zeros(0, np.int32),
                                    ["exploded"], [""], 0, 0, 0.0, 0, 0.0, 0.0)
     with pytest.raises(ProtocolError, match="finish reasons"):
+        codec.decode(codec.encode(message))
+
+
+@pytest.mark.parametrize("choice_indices, match", [
+    ([0], "needs 0 or 2 entries"),
+    ([0, -2], "must be >= -1"),
+])
+def test_abort_with_bad_choice_indices_is_rejected(choice_indices: list[int], match: str) -> None:
+    message = messages.AbortRequest(["a", "b"], np.asarray(choice_indices, dtype=np.int32))
+    with pytest.raises(ProtocolError, match=match):
+        codec.decode(codec.encode(message))
+
+
+@pytest.mark.parametrize("finish_reason, code, match", [
+    ("error", len(messages.ERROR_CODES), "unknown error code"),
+    ("stop", messages.ERROR_QUEUE_FULL, "did not finish with"),
+])
+def test_outputs_with_a_bad_error_code_are_rejected(finish_reason: str, code: int, match: str) -> None:
+    message = messages.StepOutputs(-1, ["a"], np.zeros(2, dtype=np.int32), np.zeros(0, np.int32),
+                                   [finish_reason], [""], 0, 0, 0.0, 0, 0.0, 0.0,
+                                   error_codes=np.asarray([code], dtype=np.uint8))
+    with pytest.raises(ProtocolError, match=match):
         codec.decode(codec.encode(message))
 
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from proto import codec
 from proto.config import EngineConfig
-from proto.messages import (EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED, EVENT_SCHEDULED,
-                            AddRequest, StepOutputs, StepPlan, StepResult)
+from proto.messages import (ALL_CHOICES, EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
+                            EVENT_SCHEDULED, AddRequest, StepOutputs, StepPlan, StepResult)
 from proto.sampling import SamplingParams
 from scheduler_proc.engine import SchedulerEngine
 
@@ -206,8 +206,9 @@ class Harness:
         self.engine.add(AddRequest(request_id, prompt_ids, SamplingParams(**params), time.time()))
         self.engine.check_invariants()
 
-    def abort(self, *request_ids: str) -> None:
-        self.engine.abort(list(request_ids))
+    def abort(self, *request_ids: str, choice_index: int = ALL_CHOICES) -> None:
+        """Abort `choice_index` (default: every choice) of each request."""
+        self.engine.abort(list(request_ids), [choice_index] * len(request_ids))
         self.engine.check_invariants()
 
     def step(self) -> StepPlan | None:

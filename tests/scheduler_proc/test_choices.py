@@ -86,6 +86,52 @@ def test_aborting_a_request_aborts_every_choice_even_held_ones() -> None:
     assert harness.engine.block_manager.usage == 0.0
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_aborting_one_choice_frees_its_blocks_at_once_while_its_sibling_runs_on(
+        enable_prefix_caching: bool) -> None:
+    harness = Harness(enable_prefix_caching=enable_prefix_caching)
+    harness.add("a", 10, max_tokens=12, n=2)  # blocks of 4: two full prompt blocks are shared
+    for _ in range(4):
+        harness.step()
+    stopped, sibling = harness.engine.get_request("a", 1), harness.engine.get_request("a", 0)
+    tokens_before = list(harness.log.tokens["a#1"])
+    own = [b for b in stopped.block_ids.tolist() if b not in sibling.block_ids.tolist()]
+    shared = [b for b in stopped.block_ids.tolist() if b in sibling.block_ids.tolist()]
+    assert tokens_before and own and shared
+    harness.abort("a", choice_index=1)
+    pool = harness.engine.block_manager.pool
+    assert harness.engine.get_request("a", 1) is None and harness.engine.get_request("a", 0) is sibling
+    assert [pool.ref_count(b) for b in own] == [0] * len(own)
+    assert [pool.ref_count(b) for b in shared] == [1] * len(shared)  # choice 0 keeps the prompt
+    assert harness.engine.stats().num_running == 1
+    plans = harness.run()
+    assert plans and all("a#1" not in plan.request_ids for plan in plans)
+    assert harness.log.finish_reasons == {"a": "length", "a#1": "abort"}
+    assert harness.log.tokens["a#1"] == tokens_before
+    assert len(harness.log.tokens["a"]) == 12
+    assert harness.engine.block_manager.usage == 0.0
+
+
+def test_aborting_one_held_choice_drops_it_and_its_siblings_run_on() -> None:
+    harness = Harness()
+    harness.add("a", 6, max_tokens=3, n=3)
+    harness.abort("a", choice_index=2)  # still held: choice 0 has not computed the prompt yet
+    assert harness.engine.stats().num_waiting == 2
+    harness.run()
+    assert harness.log.finish_reasons == {"a": "length", "a#1": "length", "a#2": "abort"}
+    assert harness.log.tokens["a#2"] == [] and len(harness.log.tokens["a#1"]) == 3
+
+
+def test_aborting_choice_0_alone_mid_prompt_releases_its_held_siblings() -> None:
+    harness = Harness(max_num_batched_tokens=4)  # the prompt takes three steps
+    harness.add("a", 10, max_tokens=3, n=3)
+    harness.step()
+    harness.abort("a", choice_index=0)
+    harness.run()
+    assert harness.log.finish_reasons == {"a": "abort", "a#1": "length", "a#2": "length"}
+    assert harness.engine.block_manager.usage == 0.0
+
+
 def test_siblings_of_a_choice_0_that_stops_at_its_first_token_still_run() -> None:
     harness = Harness(scripts={"a": [2]})  # EOS at once
     harness.add("a", 6, max_tokens=3, n=3)

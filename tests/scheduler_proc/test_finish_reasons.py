@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.messages import AddRequest
+from proto.messages import ERROR_CODES, AddRequest
 from proto.sampling import SamplingParams
 from scheduler_fakes import FILLER_TOKEN, Harness
 
@@ -165,6 +165,21 @@ def test_a_full_waiting_queue_rejects_the_new_request_and_names_the_limit() -> N
     harness.log.record(outputs)
     harness.run()
     assert harness.log.finish_reasons == {"a": "length", "b": "length", "c": "error"}
+
+
+def test_a_full_queue_rejection_carries_the_queue_full_code_and_other_rejections_none() -> None:
+    harness = Harness(max_num_waiting=1, max_model_len=16)
+    harness.add("too-long", 17, max_tokens=1)
+    harness.add("a", 4, max_tokens=2)
+    harness.add("full", 4, max_tokens=2, n=2)
+    outputs = harness.engine.drain_outputs()
+    assert outputs.request_ids == ["too-long", "full", "full"]
+    assert outputs.finish_reasons == ["error"] * 3
+    assert [ERROR_CODES[code] for code in outputs.error_codes] == ["", "queue_full", "queue_full"]
+    harness.log.record(outputs)
+    harness.run()
+    assert harness.log.finish_reasons == {"too-long": "error", "a": "length", "full": "error",
+                                          "full#1": "error"}
 
 
 def test_shutdown_gives_every_unfinished_request_a_terminal_output() -> None:

@@ -20,7 +20,7 @@ from proto import codec, sockets
 from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
                             StepResult, WorkerReady)
 from proto.sampling import SamplingParams
-from scheduler_fakes import TEST_CONFIG, FakeWorker, OutputLog
+from scheduler_fakes import TEST_CONFIG, FakeWorker, OutputLog, choice_key
 from scheduler_proc.loop import SchedulerLoop
 
 NUM_BLOCKS = 64
@@ -73,11 +73,12 @@ class Frontend:
         self.log = OutputLog()
         self.worker = worker
 
-    def add(self, request_id: str, num_prompt: int, max_tokens: int) -> None:
+    def add(self, request_id: str, num_prompt: int, max_tokens: int, n: int = 1) -> None:
         prompt = (100 + np.arange(num_prompt)).astype(np.int32)
         if self.worker is not None:
-            self.worker.fake.expect(request_id, prompt.tolist())
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            for choice_index in range(n):
+                self.worker.fake.expect(choice_key(request_id, choice_index), prompt.tolist())
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
         sockets.send(self.requests, AddRequest(request_id, prompt, params, time.time()))
 
     def receive(self, timeout_s: float = 5.0) -> StepOutputs:
@@ -155,6 +156,16 @@ def test_abort_over_the_wire_ends_a_waiting_request() -> None:
         sockets.send(frontend.requests, AbortRequest(["queued", "long"]))
         frontend.wait_finished("long", "queued")
         assert frontend.log.finish_reasons == {"long": "abort", "queued": "abort"}
+
+
+def test_abort_of_one_choice_over_the_wire_ends_only_that_choice() -> None:
+    with running_loop() as (loop, frontend, _control):
+        frontend.add("a", 4, max_tokens=40, n=2)
+        sockets.send(frontend.requests, AbortRequest(["a"], np.asarray([1], dtype=np.int32)))
+        frontend.wait_finished("a", "a#1")
+        assert frontend.log.finish_reasons == {"a": "length", "a#1": "abort"}
+        assert len(frontend.log.tokens["a"]) == 40
+        assert loop.num_protocol_errors == 0
 
 
 def test_a_rank_that_does_not_answer_a_step_fails_its_requests_and_stops_the_loop_naming_it() -> None:

@@ -1,6 +1,7 @@
-"""Property tests: random interleavings of add (shared prefixes, n > 1, logprobs), abort, step and
-finish on tiny KV caches (so preemption happens), with prefix caching on, checked against the same
-run with caching off. The harness checks every invariant after every operation."""
+"""Property tests: random interleavings of add (shared prefixes, n > 1, logprobs), abort (of a
+request or of one choice), step and finish on tiny KV caches (so preemption happens), with prefix
+caching on, checked against the same run with caching off. The harness checks every invariant
+after every operation."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ PREFIXES = (list(range(100, 112)), list(range(100, 112)), list(range(500, 506)),
 
 add_op = st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 16), st.integers(1, 3),
                    st.integers(1, 8), st.booleans(), st.booleans(), st.booleans())
-abort_op = st.tuples(st.just("abort"), st.integers(0, 11))
+abort_op = st.tuples(st.just("abort"), st.integers(0, 11), st.integers(-1, 2))  # choice -1: all
 step_op = st.tuples(st.just("step"), st.integers(1, 4))
 ops_strategy = st.lists(st.one_of(add_op, add_op, abort_op, step_op, step_op), min_size=1, max_size=24)
 config_strategy = st.fixed_dictionaries({
@@ -55,7 +56,7 @@ def run_ops(config: dict, ops: list[tuple], enable_prefix_caching: bool) -> tupl
             workload.prompts[request_id], workload.params[request_id] = prompt, params
             harness.add(request_id, prompt, **params)
         elif op[0] == "abort":
-            harness.abort(f"r{op[1]}")
+            harness.abort(f"r{op[1]}", choice_index=op[2])
         else:
             for _ in range(op[1]):
                 harness.step()
