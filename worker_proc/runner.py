@@ -49,7 +49,8 @@ class ModelRunner:
         log.info("rank %d loading model from %s (%s, %d threads)", rank, config.model, config.dtype,
                  torch.get_num_threads())
         dtype = DTYPES[config.dtype]
-        self.attention = attention_backend_for(self.device, dtype, config.block_size)
+        self.attention = attention_backend_for(self.device, dtype, config.block_size,
+                                               config.attention_backend)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_available():

@@ -73,8 +73,10 @@ def _serve_args(model: str, *extra: str) -> argparse.Namespace:
 
 def test_serve_arguments_become_an_engine_config_with_model_facts(tiny_model_dir: Path) -> None:
     config = config_from_args(_serve_args(str(tiny_model_dir), "--max-num-seqs", "8",
-                                          "--kv-cache-memory", "64MiB", "--scheduling", "static"))
+                                          "--kv-cache-memory", "64MiB", "--scheduling", "static",
+                                          "--attention-backend", "torch"))
     assert (config.max_num_seqs, config.kv_cache_memory_bytes, config.scheduling) == (8, 64 << 20, "static")
+    assert config.attention_backend == "torch"
     assert (config.vocab_size, config.max_model_len, config.eos_token_ids) == (512, 512, (2,))
     assert config.served_model_name == tiny_model_dir.name
 

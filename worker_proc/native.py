@@ -1,0 +1,187 @@
+"""Builds the native CPU decode-attention kernel (csrc/paged_decode.c) once per machine and loads it.
+
+The shared library is cached in $CONVEYOR_CACHE/native under a key of the source, the compiler's
+version, the flags and this CPU's feature flags (-march=native code must never run on another CPU).
+Tensor-parallel workers may build at once: each compiles to a private temporary file and renames it
+into place, so a reader only ever sees a complete library.
+
+The kernel threads with OpenMP. Linked by soname (libgomp.so.1), it shares the OpenMP runtime that
+torch's CPU wheels already loaded, so its threads are torch's own pool; a second runtime in the
+process would leave two sets of spinning threads on the same cores, so then it runs one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from proto.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+LIBS = ("-lm",)
+_OPENMP_RUNTIME = re.compile(r"lib(gomp|omp|iomp5)[-.\w]*\.so")
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# paged_decode's C signature, in order (csrc/paged_decode.c documents each argument).
+_ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32,
+             ctypes.c_float, _I32, _I32]
+
+
+class NativeBuildError(RuntimeError):
+    """The kernel could not be compiled or loaded on this machine; the message says why."""
+
+
+class PagedDecodeKernel:
+    """ctypes front of paged_decode (the call releases the GIL). Checks what C cannot: dtypes,
+    layouts and shapes; the C side only reads the slots that the block tables name."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path, num_threads_cap: int | None) -> None:
+        self.path = path
+        self.num_threads_cap = num_threads_cap  # 1 when a second OpenMP runtime is loaded
+        self._decode = library.paged_decode
+        self._decode.argtypes = _ARGTYPES
+        self._decode.restype = ctypes.c_int
+        self._vectorised = library.paged_decode_vectorised
+        self._vectorised.argtypes = [_I32, _I32, _I32]
+        self._vectorised.restype = ctypes.c_int
+
+    def vectorised(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+        """True when the AVX512 path covers this dtype and shape (else the C runs its portable loop,
+        which is slower than the torch reference)."""
+        return bool(self._vectorised(int(dtype == torch.bfloat16), group, head_dim))
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                 members: torch.Tensor, block_size: int, num_threads: int) -> None:
+        """Writes out[cu_seqlens_q[m]] for every decode member m; other rows are left as they are.
+        q: [num_tokens, num_heads, head_dim], heads contiguous, token rows any stride apart;
+        out: the same shape, contiguous; caches: [num_kv_heads, num_slots, head_dim] contiguous;
+        block_tables int32 [num_seqs, max_blocks]; cu_seqlens_q int32 [num_seqs + 1];
+        context_lens int32 [num_seqs]; members int64 [num_members]."""
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads, num_slots = k_cache.shape[:2]
+        dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
+        if len(dtypes) != 1 or q.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"native decode needs one dtype of bfloat16/float32 for q, out and caches, "
+                             f"got {q.dtype}, {out.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
+            raise ValueError("native decode needs q's heads and out contiguous")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and k_cache.shape[2] == head_dim):
+            raise ValueError(f"native decode needs contiguous [kv_heads, slots, {head_dim}] caches, "
+                             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        tables = (block_tables, cu_seqlens_q, context_lens)
+        int32_ok = all(t.dtype == torch.int32 and t.is_contiguous() for t in tables)
+        if not int32_ok or members.dtype != torch.int64 or not members.is_contiguous():
+            raise ValueError("native decode needs contiguous int32 block tables, cu_seqlens_q and "
+                             "context_lens, and int64 members")
+        if self.num_threads_cap is not None:
+            num_threads = min(num_threads, self.num_threads_cap)
+        status = self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(),
+                              v_cache.data_ptr(), num_slots, block_tables.data_ptr(), block_tables.shape[1],
+                              cu_seqlens_q.data_ptr(), context_lens.data_ptr(), members.data_ptr(),
+                              len(members), num_heads, num_kv_heads, head_dim, block_size,
+                              head_dim ** -0.5, int(q.dtype == torch.bfloat16), num_threads)
+        if status != 0:
+            raise RuntimeError(f"paged_decode failed ({status}): {num_heads} heads over {num_kv_heads} "
+                               f"KV heads, or a context length < 1, or out of memory")
+
+
+def compiler() -> str:
+    """$CC when set, else cc or gcc from PATH."""
+    chosen = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not chosen:
+        raise NativeBuildError("no C compiler: set CC or install cc/gcc")
+    return chosen
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """The shared library for this source, compiler and CPU: reused from cache_dir (default
+    $CONVEYOR_CACHE/native) or compiled into it. Raises NativeBuildError with the compiler's stderr."""
+    cc = compiler()
+    cache_dir = cache_root() / "native" if cache_dir is None else cache_dir
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, _compiler_version(cc).encode(), " ".join(FLAGS + LIBS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:24]
+    target = cache_dir / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=cache_dir)
+    except OSError as error:
+        raise NativeBuildError(f"cannot write the build cache {cache_dir}: {error}") from error
+    os.close(handle)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", partial, *LIBS], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            raise NativeBuildError(f"{cc} failed to build {SOURCE.name} (exit {done.returncode}):\n"
+                                   f"{done.stderr.strip()}")
+        os.replace(partial, target)  # atomic: concurrent builders each rename a complete file
+    except OSError as error:
+        raise NativeBuildError(f"cannot build {target}: {error}") from error
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    log.info("built native decode attention: %s", target)
+    return target
+
+
+@functools.cache
+def load_paged_decode() -> PagedDecodeKernel:
+    """Built (or reused) and loaded once per process. Raises NativeBuildError."""
+    path = build()
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise NativeBuildError(f"cannot load {path}: {error}") from error
+    runtimes = _openmp_runtimes()
+    cap = None
+    if len(runtimes) > 1:
+        log.warning("native decode attention runs one thread: two OpenMP runtimes are loaded (%s)",
+                    ", ".join(sorted(runtimes)))
+        cap = 1
+    return PagedDecodeKernel(library, path, cap)
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise NativeBuildError(f"cannot run the C compiler {cc!r}: {error}") from error
+    if done.returncode != 0:
+        raise NativeBuildError(f"{cc} --version failed (exit {done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def _cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo: what -march=native compiled for."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        return platform.processor()
+
+
+def _openmp_runtimes() -> set[str]:
+    """Distinct OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps if _OPENMP_RUNTIME.search(line.rsplit("/", 1)[-1])}
+    except OSError:
+        return set()
