@@ -72,6 +72,9 @@ def _move(value: object, device: torch.device) -> object:
 class AttentionBackend(Protocol):
     # True when the step's AttentionMetadata must carry context_slots (built only when asked).
     needs_packed_context: bool
+    # True when decodes copy each member's context out of the cache (a per-layer scratch of up to
+    # max_num_seqs x max_model_len tokens of K and V that the GPU memory budget must leave room for).
+    gathers_context: bool
     # How the runner lays out the KV cache for this backend (kv_cache.KVLayout).
     kv_layout: KVLayout
 
@@ -88,6 +91,7 @@ class TorchPagedAttention:
     K/V gathered from a HEADS_MAJOR cache, k_cache and v_cache [num_kv_heads, num_slots, head_dim]."""
 
     needs_packed_context = False
+    gathers_context = True
     kv_layout = KVLayout.HEADS_MAJOR
 
     def __init__(self) -> None:

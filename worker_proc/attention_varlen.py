@@ -58,6 +58,10 @@ class VarlenPagedAttention:
     def needs_packed_context(self) -> bool:
         return not self.paged
 
+    @property
+    def gathers_context(self) -> bool:
+        return not self.paged
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Shapes as AttentionBackend.forward; writes this step's K/V first, then attends."""

@@ -85,21 +85,35 @@ class GPUMemory:
         return cls(total, free, torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved())
 
 
-def gpu_kv_budget_bytes(memory: GPUMemory, utilization: float, profiled_tokens: int) -> int:
+def gather_scratch_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+                         max_model_len: int) -> int:
+    """The most a gathering attention backend's per-layer scratch takes: K and V of max_num_seqs
+    members padded to max_model_len tokens, with the buffers' 1/4 growth headroom."""
+    kv_heads = parallel.kv_heads_per_rank(model.num_kv_heads, config.tensor_parallel_size)
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    tokens = config.max_num_seqs * max_model_len
+    return 2 * tokens * kv_heads * model.head_dim * element_bytes * 5 // 4
+
+
+def gpu_kv_budget_bytes(memory: GPUMemory, utilization: float, profiled_tokens: int,
+                        scratch_bytes: int = 0) -> int:
     """Bytes left for the KV cache within `utilization` of the GPU: the share, less the profile
-    step's peak (weights + activations of the largest step) and whatever is not torch's (the
-    CUDA context, NCCL buffers, other processes). Raises ValueError saying what to change."""
+    step's peak (weights + activations of the largest step), the attention backend's gather
+    scratch (gather_scratch_bytes; 0 when it reads the cache in place) and whatever is not
+    torch's (the CUDA context, NCCL buffers, other processes). Raises ValueError saying what to
+    change."""
     allowed = int(memory.total_bytes * utilization)
     not_torch = max(0, memory.total_bytes - memory.free_bytes - memory.reserved_bytes)
-    used = memory.peak_allocated_bytes + not_torch
+    used = memory.peak_allocated_bytes + scratch_bytes + not_torch
     if used >= allowed:
         gib = 1 << 30
         raise ValueError(
             f"--gpu-memory-utilization {utilization} allows {allowed / gib:.2f} GiB of the GPU's "
             f"{memory.total_bytes / gib:.2f} GiB, but the weights and a {profiled_tokens}-token step "
-            f"({memory.peak_allocated_bytes / gib:.2f} GiB) and memory outside torch "
-            f"({not_torch / gib:.2f} GiB) already take {used / gib:.2f} GiB: raise "
-            f"--gpu-memory-utilization, lower --max-num-batched-tokens, or use more GPUs")
+            f"({memory.peak_allocated_bytes / gib:.2f} GiB), the attention gather scratch "
+            f"({scratch_bytes / gib:.2f} GiB) and memory outside torch ({not_torch / gib:.2f} GiB) "
+            f"already take {used / gib:.2f} GiB: raise --gpu-memory-utilization, lower "
+            f"--max-num-batched-tokens, --max-num-seqs or --max-model-len, or use more GPUs")
     return allowed - used
 
 

@@ -18,6 +18,7 @@ from worker_proc.devices import bind_worker
 from worker_proc.kv_cache import (
     GPUMemory,
     allocate_kv_cache,
+    gather_scratch_bytes,
     gpu_kv_budget_bytes,
     num_kv_blocks_for,
 )
@@ -67,38 +68,49 @@ class ModelRunner:
                  time.perf_counter() - started, self.num_kv_blocks, config.block_size)
 
     def _gpu_kv_budget(self) -> int:
-        """Bytes the KV cache may take on this GPU: what the largest step leaves of the
-        --gpu-memory-utilization share (kv_cache.gpu_kv_budget_bytes)."""
+        """Bytes the KV cache may take on this GPU: what the largest step and the attention
+        scratch leave of the --gpu-memory-utilization share (kv_cache.gpu_kv_budget_bytes)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         num_tokens = self.profile_step()
         torch.cuda.synchronize()
         memory = GPUMemory.measure()
         torch.cuda.empty_cache()
-        budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens)
-        log.info("rank %d: a %d-token step peaks at %.2f GiB; %.2f GiB left for the KV cache",
-                 self.rank, num_tokens, memory.peak_allocated_bytes / (1 << 30), budget / (1 << 30))
+        scratch = 0
+        if self.attention.gathers_context:
+            scratch = gather_scratch_bytes(self.config, self.model.config, DTYPES[self.config.dtype],
+                                           self.max_model_len)
+        budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens, scratch)
+        log.info("rank %d: a %d-token step peaks at %.2f GiB, attention scratch %.2f GiB; %.2f GiB "
+                 "left for the KV cache", self.rank, num_tokens, memory.peak_allocated_bytes / (1 << 30),
+                 scratch / (1 << 30), budget / (1 << 30))
         return budget
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len or self.model.config.max_position_embeddings
 
     @torch.inference_mode()
     def profile_step(self) -> int:
-        """Run the largest step a plan can carry (max_num_batched_tokens fresh prompt tokens, at
-        most max_model_len) through a throwaway KV cache just large enough, with the LM head over
-        max_num_seqs rows, so that its activations reach their peak. Returns its token count.
+        """Run the largest step the scheduler can plan through a throwaway KV cache just large
+        enough, so that activations reach their peak: max_num_batched_tokens fresh prompt tokens
+        in as few members as max_model_len allows, with the LM head over every token (the most
+        rows a step can ask for: sampling rows plus prompt-logprob rows). Returns the token count.
         Every rank runs it at start-up (the collectives need all of them)."""
         config = self.config
-        num_tokens = min(config.max_num_batched_tokens,
-                         config.max_model_len or self.model.config.max_position_embeddings)
-        num_blocks = -(-num_tokens // config.block_size)
+        num_tokens = config.max_num_batched_tokens
+        full, rest = divmod(num_tokens, self.max_model_len)
+        contexts = np.array([self.max_model_len] * full + ([rest] if rest else []))
+        max_blocks = -(-int(contexts.max()) // config.block_size)
+        num_blocks = len(contexts) * max_blocks
         scratch = allocate_kv_cache(self.model.config, num_blocks, config.block_size,
                                     DTYPES[config.dtype], config.tensor_parallel_size, self.device,
                                     self.attention.kv_layout)
-        tokens = np.array([num_tokens])
-        plan = synthetic_plan(0, tokens, tokens, np.zeros(num_tokens, np.int64), num_blocks)
+        plan = synthetic_plan(0, contexts, contexts, np.zeros(num_tokens, np.int64), max_blocks)
         batch = build_step_batch(plan, config.block_size, num_blocks,
                                  self.attention.needs_packed_context).to(self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, scratch.flat_views())
-        self.model.compute_logits(hidden[:min(num_tokens, config.max_num_seqs)])
+        self.model.compute_logits(hidden)
         return num_tokens
 
     @torch.inference_mode()
