@@ -32,6 +32,10 @@ class NativePagedAttention(TorchPagedAttention):
         self.block_size = block_size
         self.only_vectorised = only_vectorised
         self._use_kernel: dict[tuple[torch.dtype, int, int], bool] = {}
+        # The step whose tables passed the kernel's check_reads: every layer decodes the same
+        # AttentionMetadata over same-shaped caches, so it is checked once per step, not per layer.
+        # Held, not just its id(), so that a later step's object cannot reuse the address.
+        self._checked_meta: AttentionMetadata | None = None
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -43,7 +47,9 @@ class NativePagedAttention(TorchPagedAttention):
         out = q.new_empty(q.shape)  # [num_tokens, num_heads, head_dim]
         if len(members):
             self.kernel(q, out, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                        members, self.block_size, torch.get_num_threads())
+                        members, self.block_size, torch.get_num_threads(),
+                        reads_checked=meta is self._checked_meta)
+            self._checked_meta = meta
         return out
 
     def _kernel_covers(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
@@ -52,6 +58,7 @@ class NativePagedAttention(TorchPagedAttention):
             self._use_kernel[key] = self.kernel.vectorised(dtype, group, head_dim)
             if not self._use_kernel[key]:
                 log.info("attention: torch reference decode: the native kernel has no vectorised path "
-                         "for %s, %d query heads per KV head, head_dim %d on this CPU (needs AVX512-BF16)",
+                         "for %s, %d query heads per KV head, head_dim %d on this CPU (needs AVX512F, and "
+                         "AVX512-BF16 for bfloat16)",
                          dtype, group, head_dim)
         return self._use_kernel[key]

@@ -5,9 +5,9 @@
 
 Builds sequences of --context tokens (prefilled in chunks), then times --steps decode steps at
 each batch size, for the torch reference attention and every fast path that runs here: on CUDA
-with flash-attn installed the varlen kernel, on the CPU the native decode kernel. Without --model
-it saves a randomly initialised model of SmolLM2-135M's shape (no download). Prints JSON; --out
-also writes it.
+with flash-attn installed the varlen kernel, on the CPU the native decode kernel, each built as a
+worker started with that --attention-backend builds it. Without --model it saves a randomly
+initialised model of SmolLM2-135M's shape (no download). Prints JSON; --out also writes it.
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import numpy as np
 import torch
 
 from proto.config import EngineConfig
-from worker_proc.attention import AttentionBackend, TorchPagedAttention
-from worker_proc.attention_native import NativePagedAttention
-from worker_proc.attention_varlen import VarlenPagedAttention, load_flash_kernel
+from worker_proc.attention import AttentionBackend
+from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
 from worker_proc.batch import synthetic_plan
 from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model import Attention
-from worker_proc.native import NativeBuildError, load_paged_decode
 from worker_proc.runner import ModelRunner
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -46,17 +44,20 @@ def random_model(out_dir: Path) -> Path:
     return out_dir
 
 
+# --attention-backend choice -> its name in the results
+BACKEND_NAMES = {"torch": "torch_reference", "native": "native", "flash": "flash_varlen"}
+
+
 def available_backends(device: torch.device, dtype: str, block_size: int) -> dict[str, AttentionBackend]:
-    """The torch reference and every fast path that runs here, by name."""
-    backends: dict[str, AttentionBackend] = {"torch_reference": TorchPagedAttention()}
-    kernel = load_flash_kernel() if device.type == "cuda" else None
-    if kernel is not None and dtype == "bfloat16":
-        backends["flash_varlen"] = VarlenPagedAttention(kernel, block_size)
-    if device.type == "cpu":
+    """The torch reference and every fast path that runs here, by name: native on the CPU, flash
+    on CUDA, each skipped (with the reason on stderr) where the explicit choice would refuse to start."""
+    backends: dict[str, AttentionBackend] = {}
+    for choice in ("torch", "native" if device.type == "cpu" else "flash"):
         try:
-            backends["native"] = NativePagedAttention(load_paged_decode(), block_size)
-        except NativeBuildError as error:
-            print(f"native attention skipped: {error}", file=sys.stderr)
+            backend = attention_backend_for(device, getattr(torch, dtype), block_size, choice)
+            backends[BACKEND_NAMES[choice]] = backend
+        except AttentionBackendError as error:
+            print(f"skipped: {error}", file=sys.stderr)
     return backends
 
 

@@ -32,11 +32,18 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 LIBS = ("-lm",)
-_OPENMP_RUNTIME = re.compile(r"lib(gomp|omp|iomp5)[-.\w]*\.so")
+BUILD_TIMEOUT_S = 300
+# GNU, Intel and LLVM OpenMP runtimes, also as wheels vendor them (libgomp-a34b3233.so.1); not
+# their siblings (libgompd, libomptarget).
+_OPENMP_RUNTIME = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]{8})?\.so(?:\.\d+)*")
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_decode's C signature, in order (csrc/paged_decode.c documents each argument).
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32,
              ctypes.c_float, _I32, _I32]
+# paged_decode's nonzero returns (enum Status).
+_FAILURES = {-1: "num_kv_heads < 1 or not dividing num_heads, or head_dim or block_size < 1",
+             -2: "a decode member's context length is < 1", -3: "a context runs past its block table",
+             -4: "out of memory for the scores buffer (out is incomplete)"}
 
 
 class NativeBuildError(RuntimeError):
@@ -45,7 +52,7 @@ class NativeBuildError(RuntimeError):
 
 class PagedDecodeKernel:
     """ctypes front of paged_decode (the call releases the GIL). Checks what C cannot: dtypes,
-    layouts and shapes; the C side only reads the slots that the block tables name."""
+    layouts, shapes and (check_reads) that every slot the block tables name lies in the caches."""
 
     def __init__(self, library: ctypes.CDLL, path: Path, num_threads_cap: int | None) -> None:
         self.path = path
@@ -64,12 +71,15 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                 members: torch.Tensor, block_size: int, num_threads: int) -> None:
+                 members: torch.Tensor, block_size: int, num_threads: int,
+                 reads_checked: bool = False) -> None:
         """Writes out[cu_seqlens_q[m]] for every decode member m; other rows are left as they are.
         q: [num_tokens, num_heads, head_dim], heads contiguous, token rows any stride apart;
         out: the same shape, contiguous; caches: [num_kv_heads, num_slots, head_dim] contiguous;
         block_tables int32 [num_seqs, max_blocks]; cu_seqlens_q int32 [num_seqs + 1];
-        context_lens int32 [num_seqs]; members int64 [num_members]."""
+        context_lens int32 [num_seqs]; members int64 [num_members].
+        reads_checked: check_reads already passed for these index tensors and shapes (it costs a few
+        small tensor ops, so a caller running every layer over one step's tables checks once)."""
         num_heads, head_dim = q.shape[1:]
         num_kv_heads, num_slots = k_cache.shape[:2]
         dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
@@ -87,6 +97,8 @@ class PagedDecodeKernel:
         if not int32_ok or members.dtype != torch.int64 or not members.is_contiguous():
             raise ValueError("native decode needs contiguous int32 block tables, cu_seqlens_q and "
                              "context_lens, and int64 members")
+        if not reads_checked:
+            self.check_reads(block_tables, cu_seqlens_q, context_lens, members, num_slots, block_size, len(q))
         if self.num_threads_cap is not None:
             num_threads = min(num_threads, self.num_threads_cap)
         status = self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(),
@@ -95,8 +107,41 @@ class PagedDecodeKernel:
                               len(members), num_heads, num_kv_heads, head_dim, block_size,
                               head_dim ** -0.5, int(q.dtype == torch.bfloat16), num_threads)
         if status != 0:
-            raise RuntimeError(f"paged_decode failed ({status}): {num_heads} heads over {num_kv_heads} "
-                               f"KV heads, or a context length < 1, or out of memory")
+            raise RuntimeError(f"paged_decode failed ({status}): {_FAILURES.get(status, 'unknown status')} "
+                               f"({num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
+                               f"block_size {block_size})")
+
+    @staticmethod
+    def check_reads(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                    members: torch.Tensor, num_slots: int, block_size: int, num_tokens: int) -> None:
+        """Raises ValueError naming the first decode member whose query row or K/V reads would fall
+        outside q or the caches (whole blocks of num_slots). Tensors as in __call__."""
+        num_seqs, max_blocks = block_tables.shape
+        if len(cu_seqlens_q) != num_seqs + 1 or len(context_lens) != num_seqs:
+            raise ValueError(f"native decode: {num_seqs} block tables, but {len(cu_seqlens_q)} "
+                             f"cu_seqlens_q entries and {len(context_lens)} context_lens")
+        outside_batch = (members < 0) | (members >= num_seqs)
+        if bool(outside_batch.any()):
+            raise ValueError(f"native decode: decode member {int(members[outside_batch][0])} is not one of "
+                             f"the batch's {num_seqs} members")
+        rows, lens = cu_seqlens_q[members], context_lens[members]  # int32 [num_members]
+        needed = (lens.long() + block_size - 1) // block_size  # int64 [num_members] blocks read
+        tables = block_tables[members]  # int32 [num_members, max_blocks]
+        num_blocks = num_slots // block_size
+        read = torch.arange(max_blocks) < needed[:, None]  # bool [num_members, max_blocks]
+        outside_cache = read & ((tables < 0) | (tables >= num_blocks))
+        problems = [  # (bool [num_members], what member i does wrong)
+            ((rows < 0) | (rows >= num_tokens), lambda i: f"query row {int(rows[i])} is outside q's "
+                                                          f"{num_tokens} tokens"),
+            (lens < 1, lambda i: f"context length {int(lens[i])} is < 1"),
+            (needed > max_blocks, lambda i: f"context of {int(lens[i])} tokens needs {int(needed[i])} blocks "
+                                            f"of {block_size}, its block table holds {max_blocks}"),
+            (outside_cache.any(1), lambda i: f"block table names block {int(tables[i][outside_cache[i]][0])},"
+                                             f" the cache holds {num_blocks} blocks of {block_size} slots")]
+        for bad, says in problems:
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"native decode: member {int(members[i])}'s {says(i)}")
 
 
 def compiler() -> str:
@@ -124,13 +169,19 @@ def build(cache_dir: Path | None = None) -> Path:
     except OSError as error:
         raise NativeBuildError(f"cannot write the build cache {cache_dir}: {error}") from error
     os.close(handle)
+    # The source goes in on stdin: the bytes compiled are the bytes hashed into the key, even if
+    # a checkout replaces the file meanwhile.
+    command = [cc, *FLAGS, "-x", "c", "-", "-o", partial, *LIBS]
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", partial, *LIBS], capture_output=True,
-                              text=True, check=False)
+        done = subprocess.run(command, input=source, capture_output=True, timeout=BUILD_TIMEOUT_S,
+                              check=False)
         if done.returncode != 0:
             raise NativeBuildError(f"{cc} failed to build {SOURCE.name} (exit {done.returncode}):\n"
-                                   f"{done.stderr.strip()}")
+                                   f"{done.stderr.decode(errors='replace').strip()}")
         os.replace(partial, target)  # atomic: concurrent builders each rename a complete file
+    except subprocess.TimeoutExpired as error:
+        raise NativeBuildError(f"building {SOURCE.name} took over {BUILD_TIMEOUT_S} s: "
+                               f"{' '.join(command)}") from error
     except OSError as error:
         raise NativeBuildError(f"cannot build {target}: {error}") from error
     finally:
@@ -182,6 +233,7 @@ def _openmp_runtimes() -> set[str]:
     """Distinct OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as maps:
-            return {line.split()[-1] for line in maps if _OPENMP_RUNTIME.search(line.rsplit("/", 1)[-1])}
+            return {line.split()[-1] for line in maps
+                    if _OPENMP_RUNTIME.fullmatch(line.rstrip().rsplit("/", 1)[-1])}
     except OSError:
         return set()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.messages import StepPlan
 from worker_proc import native
-from worker_proc.attention import TorchPagedAttention
+from worker_proc.attention import AttentionMetadata, TorchPagedAttention
 from worker_proc.attention_native import NativePagedAttention
 from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
 from worker_proc.batch import build_step_batch
@@ -110,9 +111,73 @@ def test_auto_decodes_shapes_without_a_vector_path_with_the_reference(
 
 def test_auto_picks_the_native_kernel_on_the_cpu(kernel: native.PagedDecodeKernel,
                                                  tiny_model_dir: Path) -> None:
+    if not kernel.vectorised(torch.float32, 2, 16):  # the tiny model's dtype, GQA group and head_dim
+        pytest.skip("no vectorised fp32 path on this CPU (needs AVX512F): auto decodes with the reference")
     runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
-    assert isinstance(runner.attention, NativePagedAttention)
-    assert runner.attention.kernel.vectorised(torch.float32, 2, 16)  # the parity tests' shape
+    assert isinstance(runner.attention, NativePagedAttention) and runner.attention.only_vectorised
+
+
+def decode_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
+    """Random fp32 q [num_tokens, 6, 64] and K/V caches [2, NUM_BLOCKS * block_size, 64]."""
+    num_tokens = int(meta.cu_seqlens_q[-1])
+    q = torch.randn(num_tokens, 6, 64)
+    k_cache, v_cache = (torch.randn(2, NUM_BLOCKS * block_size, 64) for _ in range(2))
+    return q, k_cache, v_cache
+
+
+def short_tables(meta: AttentionMetadata) -> AttentionMetadata:
+    return replace(meta, block_tables=meta.block_tables[:, :1].contiguous())
+
+
+def block_past_the_cache(meta: AttentionMetadata) -> AttentionMetadata:
+    tables = meta.block_tables.clone()
+    tables[6, 4] = NUM_BLOCKS  # member 6 decodes at position 69: its fifth block is read
+    return replace(meta, block_tables=tables)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (short_tables, "member 2's context of 17 tokens needs 2 blocks of 16, its block table holds 1"),
+    (block_past_the_cache, f"member 6's block table names block {NUM_BLOCKS}, the cache holds "
+                           f"{NUM_BLOCKS} blocks of 16 slots"),
+])
+def test_block_tables_that_would_read_outside_the_cache_are_refused_naming_the_member(
+        kernel: native.PagedDecodeKernel, corrupt: Callable[[AttentionMetadata], AttentionMetadata],
+        message: str) -> None:
+    meta = corrupt(build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn)
+    with pytest.raises(ValueError, match=message):
+        NativePagedAttention(kernel, 16).decode(*decode_inputs(meta, 16), meta)
+
+
+def test_block_tables_are_checked_once_per_step_not_once_per_layer(
+        kernel: native.PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = []
+    check_reads = native.PagedDecodeKernel.check_reads
+
+    def counted(*args: object) -> None:
+        checked.append(args)
+        check_reads(*args)
+
+    monkeypatch.setattr(native.PagedDecodeKernel, "check_reads", staticmethod(counted))
+    backend = NativePagedAttention(kernel, 16)
+    steps = [build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn for _ in range(2)]
+    for meta in steps:
+        inputs = decode_inputs(meta, 16)
+        for _layer in range(3):
+            backend.decode(*inputs, meta)
+    assert len(checked) == len(steps)
+
+
+@pytest.mark.parametrize("context_len, cause", [(0, "context length is < 1"),
+                                                (17 * 16, "context runs past its block table")])
+def test_a_failed_kernel_call_names_its_cause(kernel: native.PagedDecodeKernel, context_len: int,
+                                             cause: str) -> None:
+    meta = build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn
+    q, k_cache, v_cache = decode_inputs(meta, 16)
+    context_lens = meta.context_lens.clone()
+    context_lens[2] = context_len
+    with pytest.raises(RuntimeError, match=cause):  # past the Python checks, as a careless caller would
+        kernel(q, torch.empty_like(q), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, context_lens,
+               meta.decode_members, 16, 1, reads_checked=True)
 
 
 def test_a_built_kernel_is_reused_and_rebuilt_for_another_cpu(
@@ -131,6 +196,44 @@ def test_a_built_kernel_is_reused_and_rebuilt_for_another_cpu(
     other = native.build(cache)
     assert other != first and ctypes.CDLL(str(other)).answer() == 42
     assert sorted(cache.iterdir()) == sorted([first, other])  # no partial files left behind
+
+
+def test_the_build_compiles_the_source_it_hashed_even_if_the_file_changes_meanwhile(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    monkeypatch.setattr(native, "SOURCE", source)
+    try:
+        cc = native.compiler()
+    except native.NativeBuildError as error:
+        pytest.skip(f"no C compiler: {error}")
+    checkout = tmp_path / "checkout-cc"  # a compiler during which a checkout rewrites the source
+    checkout.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] ||\n"
+                        f"  echo 'int answer(void) {{ return 7; }}' > {source}\nexec {cc} \"$@\"\n")
+    checkout.chmod(0o755)
+    monkeypatch.setenv("CC", str(checkout))
+    built = native.build(tmp_path / "cache")
+    assert ctypes.CDLL(str(built)).answer() == 42  # cached under the key of the 42 source
+
+
+def test_a_build_that_hangs_fails_after_the_timeout_naming_the_command(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    hanging = tmp_path / "hanging-cc"
+    hanging.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo hanging-cc 1.0; exit 0; }\nexec sleep 60\n')
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CC", str(hanging))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.5)
+    with pytest.raises(native.NativeBuildError, match=r"took over 0.5 s: .*hanging-cc .*-fopenmp"):
+        native.build(tmp_path / "cache")
+    assert not list((tmp_path / "cache").iterdir())
+
+
+@pytest.mark.parametrize("name, is_runtime", [
+    ("libgomp.so.1", True), ("libgomp-a34b3233.so.1", True), ("libiomp5.so", True), ("libomp.so.5", True),
+    ("libomptarget.so", False), ("libgompd.so.1", False), ("libomptarget.rtl.x86_64.so", False),
+])
+def test_openmp_runtimes_are_told_from_their_sibling_libraries(name: str, is_runtime: bool) -> None:
+    assert bool(native._OPENMP_RUNTIME.fullmatch(name)) == is_runtime
 
 
 def test_a_failed_build_reports_the_compiler_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

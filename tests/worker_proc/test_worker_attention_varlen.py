@@ -1,5 +1,6 @@
 """The varlen (flash-attn) backend's argument mapping equals the torch reference, checked on the
-CPU with a plain-torch kernel that implements flash_attn_varlen_func's documented contract."""
+CPU with a plain-torch kernel that implements flash_attn_varlen_func's documented contract; with
+that kernel standing in for an installed flash-attn, selection picks it exactly where it can run."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import torch
 from worker_plans import BlockPool, Seq, make_plan
 
 from proto.messages import StepPlan
+from worker_proc import attention_varlen
 from worker_proc.attention import AttentionBackend, TorchPagedAttention
-from worker_proc.attention_varlen import VarlenPagedAttention, attention_backend_for
+from worker_proc.attention_varlen import (
+    AttentionBackendError,
+    VarlenPagedAttention,
+    attention_backend_for,
+)
 from worker_proc.batch import build_step_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -84,7 +90,34 @@ def test_varlen_backend_matches_the_reference_on_a_mixed_step(block_size: int) -
         assert torch.equal(got_cache, want_cache)  # this step's K/V written to the same slots
 
 
-def test_without_cuda_auto_never_picks_flash() -> None:
-    backend = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16)
-    assert isinstance(backend, TorchPagedAttention)  # the reference or its native subclass
-    assert not isinstance(backend, VarlenPagedAttention)
+@pytest.fixture
+def flash_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn importable, as the contract kernel (selection only looks at the device type)."""
+    monkeypatch.setattr(attention_varlen, "load_flash_kernel", lambda: contract_kernel)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_auto_picks_installed_flash_on_cuda_in_half_precision(flash_installed: None, block_size: int) -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        backend = attention_backend_for(torch.device("cuda"), dtype, block_size)
+        assert isinstance(backend, VarlenPagedAttention) and backend.kernel is contract_kernel
+        assert backend.paged == (block_size == 256)
+
+
+def test_auto_never_picks_installed_flash_off_cuda_or_in_fp32(flash_installed: None) -> None:
+    on_cpu = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16)
+    assert isinstance(on_cpu, TorchPagedAttention)  # the reference or its native subclass
+    assert type(attention_backend_for(torch.device("cuda"), torch.float32, 16)) is TorchPagedAttention
+
+
+def test_auto_on_cuda_without_flash_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_varlen, "load_flash_kernel", lambda: None)
+    assert type(attention_backend_for(torch.device("cuda"), torch.bfloat16, 16)) is TorchPagedAttention
+
+
+def test_explicit_flash_that_cannot_run_fails_with_the_reason_even_when_installed(
+        flash_installed: None) -> None:
+    with pytest.raises(AttentionBackendError, match="flash: needs a CUDA device, the worker runs on cpu"):
+        attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, "flash")
+    with pytest.raises(AttentionBackendError, match="flash: needs bfloat16 or float16, the model runs in"):
+        attention_backend_for(torch.device("cuda"), torch.float32, 16, "flash")

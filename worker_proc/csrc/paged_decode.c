@@ -10,11 +10,12 @@
  * Work items are (member, KV head) pairs; num_threads OpenMP threads (torch's own runtime once
  * torch is loaded: same soname) take contiguous runs of about equal context.
  *
- * The AVX512 paths read each K/V row once for the KV head's whole GQA group. q.k gives per
- * position a vector of 16 partial sums; a tile of 16 positions is reduced together by a
- * transpose-add tree (15 adds for 16 scores instead of 16 horizontal sums). On bf16, q.k and p.v
- * run on dpbf16: p.v over pairs of positions whose V rows are interleaved by unpack (which permutes
- * the head_dim lanes; undone once per output row). The portable path covers every other case.
+ * The AVX512 paths (fp32: AVX512F; bf16: also AVX512-BF16) read each K/V row once for the KV
+ * head's whole GQA group. q.k gives per position a vector of 16 partial sums; a tile of 16
+ * positions is reduced together by a transpose-add tree (15 adds for 16 scores instead of 16
+ * horizontal sums). On bf16, q.k and p.v run on dpbf16: p.v over pairs of positions whose V rows
+ * are interleaved by unpack (which permutes the head_dim lanes; undone once per output row). The
+ * portable path covers every other case.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,6 +33,8 @@
 #define MAX_GROUP 16 /* vectorised paths: query heads per KV head */
 #define MAX_CHUNKS 8 /* vectorised paths: 64-byte chunks per head row */
 #define PV_GROUP 4  /* query heads per p.v pass */
+
+enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEMORY = -4 };
 
 typedef struct {
     const void *q; int64_t q_token_stride; void *out; const void *k_cache, *v_cache; int64_t num_slots;
@@ -112,8 +115,31 @@ static void attend_portable(const Args *a, int64_t member, int kv_head, float *s
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* The bf16-only instructions; without AVX512-BF16 only the fp32 variants exist, whose BF16 = 0
+ * never calls these. */
+#if defined(__AVX512BF16__)
+ALWAYS_INLINE __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) {  /* acc + x.y over bf16 pairs */
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
+}
+ALWAYS_INLINE __m512 dot_pairs_at(__m512 acc, const void *x, const void *y) {  /* the same, in memory */
+    __m512bh a, b;  /* memcpy, not a load and a cast: gcc 12 round-trips that via the stack */
+    memcpy(&a, x, sizeof a), memcpy(&b, y, sizeof b);
+    return _mm512_dpbf16_ps(acc, a, b);
+}
+ALWAYS_INLINE __m512i interleave(__m512i x, __m512i y, int high) {  /* x0 y0 x1 y1 .. per 128-bit lane */
+    return high ? _mm512_unpackhi_epi16(x, y) : _mm512_unpacklo_epi16(x, y);
+}
+ALWAYS_INLINE __m512i round_pairs(__m512 hi, __m512 lo) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+ALWAYS_INLINE __m256i round_half(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#else
+ALWAYS_INLINE __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) { (void)x, (void)y; return acc; }
+ALWAYS_INLINE __m512 dot_pairs_at(__m512 acc, const void *x, const void *y) { (void)x, (void)y; return acc; }
+ALWAYS_INLINE __m512i interleave(__m512i x, __m512i y, int high) { (void)y, (void)high; return x; }
+ALWAYS_INLINE __m512i round_pairs(__m512 hi, __m512 lo) { (void)hi; return _mm512_castps_si512(lo); }
+ALWAYS_INLINE __m256i round_half(__m512 x) { return _mm512_castsi512_si256(_mm512_castps_si512(x)); }
+#endif
 static inline void prefetch_rows(const char *base, const int64_t rows[TILE], int element_bytes,
                                  int row_bytes) {
     for (int i = 0; i < TILE; i++)
@@ -159,14 +185,8 @@ ALWAYS_INLINE __m512 qk_tile(const char *keys, const int64_t rows[TILE], const _
         const char *row = keys + rows[i] * (BF16 ? 2 : 4);
         __m512 acc = _mm512_setzero_ps();
         for (int c = 0; c < C; c++) {
-            if (BF16) {
-                __m512bh chunk, q;  /* memcpy, not a cast: gcc 12 round-trips casts via the stack */
-                memcpy(&chunk, row + 64 * c, sizeof chunk);
-                memcpy(&q, &query[c], sizeof q);
-                acc = _mm512_dpbf16_ps(acc, chunk, q);
-            } else {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + 64 * c), _mm512_castsi512_ps(query[c]), acc);
-            }
+            if (BF16) acc = dot_pairs_at(acc, row + 64 * c, &query[c]);
+            else acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + 64 * c), _mm512_castsi512_ps(query[c]), acc);
         }
         v[i] = acc;
     }
@@ -184,26 +204,26 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int st
     for (int start = 0; start < n; start += TILE) {
         tile_rows(table, a->block_size, start, n, dim, rows);
         for (int i = 0; i < TILE && start + i < n; i += step) {
-            __m512 weight[MAX_GROUP];
+            __m512i weight[MAX_GROUP];
             for (int g = 0; g < G; g++) {  /* bf16: the pair (p[i], p[i + 1]), zero past n */
                 int32_t bits = 0;
                 if (BF16) memcpy(&bits, probs + g * stride + start + i, sizeof bits);
-                weight[g] = BF16 ? _mm512_castsi512_ps(_mm512_set1_epi32(bits))
-                                 : _mm512_set1_ps(scores[g * stride + start + i]);
+                weight[g] = BF16 ? _mm512_set1_epi32(bits)
+                                 : _mm512_castps_si512(_mm512_set1_ps(scores[g * stride + start + i]));
             }
             for (int c = c0; c < c0 + CB; c++) {
                 __m512i r0 = _mm512_loadu_si512(values + rows[i] * (BF16 ? 2 : 4) + 64 * c);
                 if (BF16) {
                     __m512i r1 = _mm512_loadu_si512(values + rows[i + 1] * 2 + 64 * c);
-                    __m512bh even = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-                    __m512bh odd = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+                    __m512i even = interleave(r0, r1, 0), odd = interleave(r0, r1, 1);
                     for (int g = 0; g < G; g++) {
-                        lo[g][c - c0] = _mm512_dpbf16_ps(lo[g][c - c0], even, (__m512bh)weight[g]);
-                        hi[g][c - c0] = _mm512_dpbf16_ps(hi[g][c - c0], odd, (__m512bh)weight[g]);
+                        lo[g][c - c0] = dot_pairs(lo[g][c - c0], even, weight[g]);
+                        hi[g][c - c0] = dot_pairs(hi[g][c - c0], odd, weight[g]);
                     }
                 } else {
                     for (int g = 0; g < G; g++)
-                        lo[g][c - c0] = _mm512_fmadd_ps(weight[g], _mm512_castsi512_ps(r0), lo[g][c - c0]);
+                        lo[g][c - c0] = _mm512_fmadd_ps(_mm512_castsi512_ps(weight[g]),
+                                                        _mm512_castsi512_ps(r0), lo[g][c - c0]);
                 }
             }
         }
@@ -219,7 +239,7 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int st
             if (BF16) {
                 __m512 d0 = _mm512_mul_ps(_mm512_permutex2var_ps(x, _mm512_loadu_si512(first), y), inverse);
                 __m512 d1 = _mm512_mul_ps(_mm512_permutex2var_ps(x, _mm512_loadu_si512(second), y), inverse);
-                _mm512_storeu_si512(dst + 64 * c, (__m512i)_mm512_cvtne2ps_pbh(d1, d0));
+                _mm512_storeu_si512(dst + 64 * c, round_pairs(d1, d0));
             } else {
                 _mm512_storeu_ps(dst + 64 * c, _mm512_mul_ps(x, inverse));
             }
@@ -280,7 +300,7 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t member, int kv_head, flo
             sum = _mm512_add_ps(sum, e);
             _mm512_storeu_ps(s, e);
             if (BF16) {
-                __m256bh half = _mm512_cvtneps_pbh(e);
+                __m256i half = round_half(e);
                 memcpy(probs + g * stride + start, &half, sizeof half);
             }
         }
@@ -302,15 +322,19 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t member, int kv_head, flo
         attend_vector(a, m, h, s, C, B);                                          \
     }
 VARIANT(1, 0) VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0)
+#if defined(__AVX512BF16__)
 VARIANT(1, 1) VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1)
+#define BF16_VARIANTS {attend_1_1, attend_1_2, NULL, attend_1_4, NULL, NULL, NULL, attend_1_8}
+#else
+#define BF16_VARIANTS {NULL}
+#endif
 static const Attend vector_variants[2][MAX_CHUNKS] = {
-    {attend_0_1, attend_0_2, NULL, attend_0_4, NULL, NULL, NULL, attend_0_8},
-    {attend_1_1, attend_1_2, NULL, attend_1_4, NULL, NULL, NULL, attend_1_8}};
+    {attend_0_1, attend_0_2, NULL, attend_0_4, NULL, NULL, NULL, attend_0_8}, BF16_VARIANTS};
 #endif
 
 /* The vectorised kernel for this dtype and shape, or NULL where only the portable path applies. */
 static Attend vector_variant(int bf16, int group, int head_dim) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     int row_bytes = head_dim * (bf16 ? 2 : 4);
     if (group >= 1 && group <= MAX_GROUP && row_bytes % 64 == 0 && row_bytes / 64 <= MAX_CHUNKS)
         return vector_variants[bf16 ? 1 : 0][row_bytes / 64 - 1];
@@ -324,13 +348,14 @@ int paged_decode_vectorised(int bf16, int group, int head_dim) {
     return vector_variant(bf16, group, head_dim) != NULL;
 }
 
-/* Returns 0, or -1 on bad arguments (nothing written) or a failed allocation (out incomplete). */
+/* Returns OK, NO_MEMORY (out incomplete) or, with nothing written: BAD_SHAPE (heads, head_dim or
+ * block_size), BAD_CONTEXT (a context < 1) or SHORT_TABLE (a context past its block table). */
 int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
                  int64_t num_slots, const int32_t *block_tables, int64_t max_blocks,
                  const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *members,
                  int num_members, int num_heads, int num_kv_heads, int head_dim, int block_size,
                  float scale, int bf16, int num_threads) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return -1;
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
     Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
                  cu_seqlens_q, context_lens, members, num_heads, num_kv_heads, head_dim, block_size,
                  bf16, scale};
@@ -338,7 +363,8 @@ int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k
     int64_t total = 0, items = (int64_t)num_members * num_kv_heads;
     for (int i = 0; i < num_members; i++) {
         int n = context_lens[members[i]];
-        if (n < 1) return -1;
+        if (n < 1) return BAD_CONTEXT;
+        if ((n - 1) / block_size >= max_blocks) return SHORT_TABLE;
         total += n;
         max_context = n > max_context ? n : max_context;
     }
@@ -371,5 +397,5 @@ int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k
                 attend(&args, members[i / num_kv_heads], (int)(i % num_kv_heads), scores);
         free(scores);
     }
-    return failed ? -1 : 0;
+    return failed ? NO_MEMORY : OK;
 }
