@@ -103,8 +103,8 @@ class TorchPagedAttention:
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens, num_heads, head_dim = q.shape
         out = self.decode(q, k_cache, v_cache, meta)
-        for span in meta.prefills:
-            out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
+        if meta.prefills:
+            self.prefill(q, k, v, k_cache, v_cache, meta, out)
         return out.view(num_tokens, num_heads * head_dim)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -116,6 +116,12 @@ class TorchPagedAttention:
         for group in meta.decodes:
             out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, group, self.scratch)
         return out
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Writes every prefill chunk's rows of out [num_tokens, num_heads, head_dim]."""
+        for span in meta.prefills:
+            out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
 
 
 class ScratchBuffers:

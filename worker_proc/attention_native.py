@@ -1,10 +1,12 @@
-"""CPU fast path: decodes read K/V straight from the paged cache in a native kernel (native.py).
+"""CPU fast path: attention reads K/V straight from the paged cache in a native kernel (native.py).
 
 The reference gathers every decode member's context into a scratch buffer (one copy of K and V)
 and then runs batched matmuls whose GQA groups are a few rows tall; the kernel reads each K/V row
-once, in place, for the KV head's whole group. Prefill chunks, the cache layout and the cache
-writes are the reference's own (this class only replaces TorchPagedAttention.decode).
-SmolLM2-135M bf16, 32 decodes at 512 tokens: docs/benchmarks.md "Decode attention on the CPU".
+once, in place, for the KV head's whole group. A prefill chunk's query at position p is a decode
+with context p + 1 over the same block table (this step's K/V are in the cache before attention),
+so chunks run through the same kernel, one work item per query, instead of SDPA. The cache layout
+and writes are the reference's own (this class replaces TorchPagedAttention.decode and .prefill).
+SmolLM2-135M bf16: docs/benchmarks.md "Decode attention on the CPU".
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class NativePagedAttention(TorchPagedAttention):
         # AttentionMetadata over same-shaped caches, so it is checked once per step, not per layer.
         # Held, not just its id(), so that a later step's object cannot reuse the address.
         self._checked_meta: AttentionMetadata | None = None
+        # The step whose prefill queries were last built (and checked), with them.
+        self._query_meta: AttentionMetadata | None = None
+        self._queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -52,6 +57,20 @@ class NativePagedAttention(TorchPagedAttention):
             self._checked_meta = meta
         return out
 
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        group = q.shape[1] // k_cache.shape[0]
+        if self.only_vectorised and not self._kernel_covers(q.dtype, group, q.shape[2]):
+            return super().prefill(q, k, v, k_cache, v_cache, meta, out)
+        checked = meta is self._query_meta
+        if not checked:
+            self._queries, self._query_meta = prefill_queries(meta), meta
+        assert self._queries is not None
+        query_rows, table_rows, context_lens = self._queries
+        self.kernel.attend_queries(q, out, k_cache, v_cache, meta.block_tables, query_rows, table_rows,
+                                   context_lens, self.block_size, torch.get_num_threads(),
+                                   reads_checked=checked)
+
     def _kernel_covers(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         key = (dtype, group, head_dim)
         if key not in self._use_kernel:
@@ -62,3 +81,17 @@ class NativePagedAttention(TorchPagedAttention):
                          "AVX512-BF16 for bfloat16)",
                          dtype, group, head_dim)
         return self._use_kernel[key]
+
+
+def prefill_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query_rows int64, table_rows int64, context_lens int32), each [num_prefill_tokens]: every
+    token of a multi-token member, its member and its causal context length (position + 1)."""
+    assert meta.context_lens is not None, "built by batch.build_step_batch"
+    cu_seqlens_q = meta.cu_seqlens_q.long()  # int64 [num_seqs + 1]
+    num_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # int64 [num_seqs]
+    token_members = torch.repeat_interleave(torch.arange(len(num_q)), num_q)  # int64 [num_tokens]
+    query_rows = torch.nonzero(num_q[token_members] > 1).view(-1)  # int64 [num_prefill_tokens]
+    table_rows = token_members[query_rows]
+    # A member's last query sees its whole context; each earlier one a position less.
+    context_lens = meta.context_lens[table_rows] - (cu_seqlens_q[table_rows + 1] - 1 - query_rows)
+    return query_rows, table_rows.contiguous(), context_lens.to(torch.int32)

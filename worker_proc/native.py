@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,9 +41,11 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_decode's C signature, in order (csrc/paged_decode.c documents each argument).
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32,
              ctypes.c_float, _I32, _I32]
-# paged_decode's nonzero returns (enum Status).
+# paged_attend_queries's: the same with int64 query_rows, table_rows, int32 context_lens, int64 count.
+_QUERY_ARGTYPES = [*_ARGTYPES[:8], _P, _P, _P, _I64, *_ARGTYPES[12:]]
+# paged_decode's and paged_attend_queries's nonzero returns (enum Status).
 _FAILURES = {-1: "num_kv_heads < 1 or not dividing num_heads, or head_dim or block_size < 1",
-             -2: "a decode member's context length is < 1", -3: "a context runs past its block table",
+             -2: "a query's context length is < 1", -3: "a context runs past its block table",
              -4: "out of memory for the scores buffer (out is incomplete)"}
 
 
@@ -51,8 +54,8 @@ class NativeBuildError(RuntimeError):
 
 
 class PagedDecodeKernel:
-    """ctypes front of paged_decode (the call releases the GIL). Checks what C cannot: dtypes,
-    layouts, shapes and (check_reads) that every slot the block tables name lies in the caches."""
+    """ctypes front of paged_decode and paged_attend_queries (calls release the GIL). Checks what C
+    cannot: dtypes, layouts, shapes and that every slot the block tables name lies in the caches."""
 
     def __init__(self, library: ctypes.CDLL, path: Path, num_threads_cap: int | None) -> None:
         self.path = path
@@ -60,6 +63,9 @@ class PagedDecodeKernel:
         self._decode = library.paged_decode
         self._decode.argtypes = _ARGTYPES
         self._decode.restype = ctypes.c_int
+        self._queries = library.paged_attend_queries
+        self._queries.argtypes = _QUERY_ARGTYPES
+        self._queries.restype = ctypes.c_int
         self._vectorised = library.paged_decode_vectorised
         self._vectorised.argtypes = [_I32, _I32, _I32]
         self._vectorised.restype = ctypes.c_int
@@ -80,18 +86,7 @@ class PagedDecodeKernel:
         context_lens int32 [num_seqs]; members int64 [num_members].
         reads_checked: check_reads already passed for these index tensors and shapes (it costs a few
         small tensor ops, so a caller running every layer over one step's tables checks once)."""
-        num_heads, head_dim = q.shape[1:]
-        num_kv_heads, num_slots = k_cache.shape[:2]
-        dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
-        if len(dtypes) != 1 or q.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"native decode needs one dtype of bfloat16/float32 for q, out and caches, "
-                             f"got {q.dtype}, {out.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-        if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
-            raise ValueError("native decode needs q's heads and out contiguous")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-                and k_cache.shape[2] == head_dim):
-            raise ValueError(f"native decode needs contiguous [kv_heads, slots, {head_dim}] caches, "
-                             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        num_heads, num_kv_heads, head_dim, num_slots = _check_layouts(q, out, k_cache, v_cache)
         tables = (block_tables, cu_seqlens_q, context_lens)
         int32_ok = all(t.dtype == torch.int32 and t.is_contiguous() for t in tables)
         if not int32_ok or members.dtype != torch.int64 or not members.is_contiguous():
@@ -106,17 +101,40 @@ class PagedDecodeKernel:
                               cu_seqlens_q.data_ptr(), context_lens.data_ptr(), members.data_ptr(),
                               len(members), num_heads, num_kv_heads, head_dim, block_size,
                               head_dim ** -0.5, int(q.dtype == torch.bfloat16), num_threads)
-        if status != 0:
-            raise RuntimeError(f"paged_decode failed ({status}): {_FAILURES.get(status, 'unknown status')} "
-                               f"({num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
-                               f"block_size {block_size})")
+        _raise_on_failure("paged_decode", status, q, k_cache, block_size)
+
+    def attend_queries(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, query_rows: torch.Tensor, table_rows: torch.Tensor,
+                       context_lens: torch.Tensor, block_size: int, num_threads: int,
+                       reads_checked: bool = False) -> None:
+        """Prefill chunks as decodes: writes out[query_rows[i]], query i attending to the first
+        context_lens[i] positions of block table row table_rows[i] (its causal prefix, this step's K/V
+        already in the cache). query_rows, table_rows int64 [num_queries]; context_lens int32
+        [num_queries]; the rest as in __call__."""
+        num_heads, num_kv_heads, head_dim, num_slots = _check_layouts(q, out, k_cache, v_cache)
+        if not (block_tables.dtype == context_lens.dtype == torch.int32 and block_tables.is_contiguous()
+                and context_lens.is_contiguous() and query_rows.dtype == table_rows.dtype == torch.int64
+                and query_rows.is_contiguous() and table_rows.is_contiguous()):
+            raise ValueError("native attention needs contiguous int32 block tables and context_lens, and "
+                             "int64 query_rows and table_rows")
+        if not reads_checked:
+            _check_query_reads(block_tables, query_rows, table_rows, context_lens, num_slots, block_size,
+                               len(q), lambda i: f"query row {int(query_rows[i])}'s")
+        if self.num_threads_cap is not None:
+            num_threads = min(num_threads, self.num_threads_cap)
+        status = self._queries(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(),
+                               v_cache.data_ptr(), num_slots, block_tables.data_ptr(), block_tables.shape[1],
+                               query_rows.data_ptr(), table_rows.data_ptr(), context_lens.data_ptr(),
+                               len(query_rows), num_heads, num_kv_heads, head_dim, block_size,
+                               head_dim ** -0.5, int(q.dtype == torch.bfloat16), num_threads)
+        _raise_on_failure("paged_attend_queries", status, q, k_cache, block_size)
 
     @staticmethod
     def check_reads(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                     members: torch.Tensor, num_slots: int, block_size: int, num_tokens: int) -> None:
         """Raises ValueError naming the first decode member whose query row or K/V reads would fall
         outside q or the caches (whole blocks of num_slots). Tensors as in __call__."""
-        num_seqs, max_blocks = block_tables.shape
+        num_seqs = len(block_tables)
         if len(cu_seqlens_q) != num_seqs + 1 or len(context_lens) != num_seqs:
             raise ValueError(f"native decode: {num_seqs} block tables, but {len(cu_seqlens_q)} "
                              f"cu_seqlens_q entries and {len(context_lens)} context_lens")
@@ -124,24 +142,63 @@ class PagedDecodeKernel:
         if bool(outside_batch.any()):
             raise ValueError(f"native decode: decode member {int(members[outside_batch][0])} is not one of "
                              f"the batch's {num_seqs} members")
-        rows, lens = cu_seqlens_q[members], context_lens[members]  # int32 [num_members]
-        needed = (lens.long() + block_size - 1) // block_size  # int64 [num_members] blocks read
-        tables = block_tables[members]  # int32 [num_members, max_blocks]
-        num_blocks = num_slots // block_size
-        read = torch.arange(max_blocks) < needed[:, None]  # bool [num_members, max_blocks]
-        outside_cache = read & ((tables < 0) | (tables >= num_blocks))
-        problems = [  # (bool [num_members], what member i does wrong)
-            ((rows < 0) | (rows >= num_tokens), lambda i: f"query row {int(rows[i])} is outside q's "
-                                                          f"{num_tokens} tokens"),
-            (lens < 1, lambda i: f"context length {int(lens[i])} is < 1"),
-            (needed > max_blocks, lambda i: f"context of {int(lens[i])} tokens needs {int(needed[i])} blocks "
-                                            f"of {block_size}, its block table holds {max_blocks}"),
-            (outside_cache.any(1), lambda i: f"block table names block {int(tables[i][outside_cache[i]][0])},"
-                                             f" the cache holds {num_blocks} blocks of {block_size} slots")]
-        for bad, says in problems:
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0])
-                raise ValueError(f"native decode: member {int(members[i])}'s {says(i)}")
+        _check_query_reads(block_tables, cu_seqlens_q[members].long(), members, context_lens[members],
+                           num_slots, block_size, num_tokens, lambda i: f"member {int(members[i])}'s")
+
+
+def _check_layouts(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_heads, num_kv_heads, head_dim, num_slots), or ValueError for what the kernel cannot read."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, num_slots = k_cache.shape[:2]
+    dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
+    if len(dtypes) != 1 or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"native decode needs one dtype of bfloat16/float32 for q, out and caches, "
+                         f"got {q.dtype}, {out.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
+        raise ValueError("native decode needs q's heads and out contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.shape[2] == head_dim):
+        raise ValueError(f"native decode needs contiguous [kv_heads, slots, {head_dim}] caches, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    return num_heads, num_kv_heads, head_dim, num_slots
+
+
+def _check_query_reads(block_tables: torch.Tensor, rows: torch.Tensor, table_rows: torch.Tensor,
+                       lens: torch.Tensor, num_slots: int, block_size: int, num_tokens: int,
+                       who: Callable[[int], str]) -> None:
+    """Raises ValueError naming (who(i)) the first query whose row or K/V reads fall outside q or the
+    caches. rows, table_rows int64 [num_queries]; lens int32 [num_queries]."""
+    num_seqs, max_blocks = block_tables.shape
+    outside_batch = (table_rows < 0) | (table_rows >= num_seqs)
+    if bool(outside_batch.any()):
+        raise ValueError(f"native attention: block table row {int(table_rows[outside_batch][0])} is not one "
+                         f"of the batch's {num_seqs}")
+    needed = (lens.long() + block_size - 1) // block_size  # int64 [num_queries] blocks read
+    tables = block_tables[table_rows]  # int32 [num_queries, max_blocks]
+    num_blocks = num_slots // block_size
+    read = torch.arange(max_blocks) < needed[:, None]  # bool [num_queries, max_blocks]
+    outside_cache = read & ((tables < 0) | (tables >= num_blocks))
+    problems = [  # (bool [num_queries], what query i does wrong)
+        ((rows < 0) | (rows >= num_tokens), lambda i: f"query row {int(rows[i])} is outside q's "
+                                                      f"{num_tokens} tokens"),
+        (lens < 1, lambda i: f"context length {int(lens[i])} is < 1"),
+        (needed > max_blocks, lambda i: f"context of {int(lens[i])} tokens needs {int(needed[i])} blocks "
+                                        f"of {block_size}, its block table holds {max_blocks}"),
+        (outside_cache.any(1), lambda i: f"block table names block {int(tables[i][outside_cache[i]][0])},"
+                                         f" the cache holds {num_blocks} blocks of {block_size} slots")]
+    for bad, says in problems:
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"native decode: {who(i)} {says(i)}")
+
+
+def _raise_on_failure(name: str, status: int, q: torch.Tensor, k_cache: torch.Tensor,
+                      block_size: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name} failed ({status}): {_FAILURES.get(status, 'unknown status')} "
+                           f"({q.shape[1]} heads, {k_cache.shape[0]} KV heads, head_dim {q.shape[2]}, "
+                           f"block_size {block_size})")
 
 
 def compiler() -> str:

@@ -1,5 +1,6 @@
-"""The native CPU decode kernel equals the torch reference; its build is cached per machine; backend
-selection falls back (auto) or fails at start-up with a reason (an explicit choice)."""
+"""The native CPU attention kernel (decodes, prefill chunks) equals the torch reference; its build
+is cached per machine; backend selection falls back (auto) or fails at start-up with a reason (an
+explicit choice)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def mixed_plan(block_size: int) -> StepPlan:
     return make_plan(seqs, [7, 1, 1, 1, 6, 1, 1, 1], pool)
 
 
+def prefill_plan(block_size: int) -> StepPlan:
+    """Prefill chunks only: a fresh prompt over several blocks, chunks continuing a cached prefix from
+    inside a block and from exactly a block boundary, and a two-token chunk ending a prompt."""
+    pool = BlockPool(NUM_BLOCKS, block_size=block_size)
+    seqs = [Seq("fresh", list(range(40))), Seq("mid", list(range(60)), num_computed=13),
+            Seq("boundary", list(range(50)), num_computed=16), Seq("pair", list(range(9)), num_computed=7)]
+    return make_plan(seqs, [40, 30, 20, 2], pool)
+
+
 def run_step(backend: TorchPagedAttention, plan: StepPlan, block_size: int, dtype: torch.dtype,
              num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention over random caches; q, k, v are views of one qkv row as the model's."""
@@ -74,10 +84,11 @@ def run_step(backend: TorchPagedAttention, plan: StepPlan, block_size: int, dtyp
     (3, 3, 8), (6, 2, 24),  # head_dims no vector path covers: the portable loop
 ])
 @pytest.mark.parametrize("block_size", [16, 4])  # tiles inside one block / spanning several
-def test_native_decodes_equal_the_reference_on_a_mixed_step(
-        kernel: native.PagedDecodeKernel, block_size: int, num_heads: int, num_kv_heads: int,
-        head_dim: int, dtype: torch.dtype, tolerance: float) -> None:
-    plan = mixed_plan(block_size)
+@pytest.mark.parametrize("make_plan_for", [mixed_plan, prefill_plan])
+def test_native_attention_equals_the_reference_on_decodes_and_prefill_chunks(
+        kernel: native.PagedDecodeKernel, make_plan_for: Callable[[int], StepPlan], block_size: int,
+        num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, tolerance: float) -> None:
+    plan = make_plan_for(block_size)
     shape = (plan, block_size, dtype, num_heads, num_kv_heads, head_dim)
     want, want_caches = run_step(TorchPagedAttention(), *shape)
     got, got_caches = run_step(NativePagedAttention(kernel, block_size), *shape)
@@ -85,9 +96,10 @@ def test_native_decodes_equal_the_reference_on_a_mixed_step(
     assert torch.equal(got_caches, want_caches)  # this step's K/V written to the same slots
 
 
-def test_the_kernel_splits_members_across_threads_without_changing_results(
-        kernel: native.PagedDecodeKernel) -> None:
-    plan = mixed_plan(16)
+@pytest.mark.parametrize("make_plan_for", [mixed_plan, prefill_plan])
+def test_the_kernel_splits_queries_across_threads_without_changing_results(
+        kernel: native.PagedDecodeKernel, make_plan_for: Callable[[int], StepPlan]) -> None:
+    plan = make_plan_for(16)
     shape = (plan, 16, torch.bfloat16, 6, 2, 64)
     previous = torch.get_num_threads()
     try:
@@ -146,6 +158,16 @@ def test_block_tables_that_would_read_outside_the_cache_are_refused_naming_the_m
     meta = corrupt(build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn)
     with pytest.raises(ValueError, match=message):
         NativePagedAttention(kernel, 16).decode(*decode_inputs(meta, 16), meta)
+
+
+def test_prefill_tables_that_would_read_outside_the_cache_are_refused_naming_the_query(
+        kernel: native.PagedDecodeKernel) -> None:
+    meta = short_tables(build_step_batch(prefill_plan(16), 16, NUM_BLOCKS).attn)
+    q, k_cache, v_cache = decode_inputs(meta, 16)
+    kv = q[:, :2]  # unused: the kernel reads this step's K/V from the cache
+    with pytest.raises(ValueError, match="query row 16's context of 17 tokens needs 2 blocks of 16, "
+                                         "its block table holds 1"):
+        NativePagedAttention(kernel, 16).prefill(q, kv, kv, k_cache, v_cache, meta, torch.empty_like(q))
 
 
 def test_block_tables_are_checked_once_per_step_not_once_per_layer(

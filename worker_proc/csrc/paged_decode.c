@@ -1,13 +1,16 @@
-/* Paged decode attention for the CPU: one query token per member, K/V read straight from the
+/* Paged attention for the CPU: one query token per work item, K/V read straight from the
  * heads-major paged KV cache (no gather copy), softmax in fp32.
  *   q             [num_tokens, num_heads, head_dim], token rows q_token_stride elements apart
- *   out           [num_tokens, num_heads, head_dim] contiguous, q's dtype; only decode rows written
+ *   out           [num_tokens, num_heads, head_dim] contiguous, q's dtype; only the queries' rows written
  *   k_cache, v_cache [num_kv_heads, num_slots, head_dim] contiguous, q's dtype (bf16 or fp32)
  *   block_tables  int32 [num_seqs, max_blocks]; slot of position p = table[p / bs] * bs + p % bs
  *   cu_seqlens_q  int32 [num_seqs + 1]; a decode member's query row is cu_seqlens_q[member]
  *   context_lens  int32 [num_seqs], each decode member's >= 1
  *   members       int64 [num_members]: which batch members are decodes
- * Work items are (member, KV head) pairs; num_threads OpenMP threads (torch's own runtime once
+ * paged_attend_queries takes, instead of the last three, per query (prefill chunks as decodes):
+ *   query_rows, table_rows int64 [num_queries]: q's row and the block table's row of each query
+ *   context_lens  int32 [num_queries]: positions it attends to (its causal prefix), each >= 1
+ * Work items are (query, KV head) pairs; num_threads OpenMP threads (torch's own runtime once
  * torch is loaded: same soname) take contiguous runs of about equal context.
  *
  * The AVX512 paths (fp32: AVX512F; bf16: also AVX512-BF16) read each K/V row once for the KV
@@ -38,12 +41,13 @@ enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEM
 
 typedef struct {
     const void *q; int64_t q_token_stride; void *out; const void *k_cache, *v_cache; int64_t num_slots;
-    const int32_t *block_tables; int64_t max_blocks; const int32_t *cu_seqlens_q, *context_lens;
-    const int64_t *members; int num_heads, num_kv_heads, head_dim, block_size, bf16; float scale;
+    const int32_t *block_tables; int64_t max_blocks;
+    const int64_t *query_rows, *table_rows; const int32_t *context_lens;  /* [num_queries] each */
+    int num_heads, num_kv_heads, head_dim, block_size, bf16; float scale;
 } Args;
 
 /* scores: float [group][stride] then bf16 [group][stride], stride = context rounded up to TILE */
-typedef void (*Attend)(const Args *, int64_t member, int kv_head, float *scores);
+typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16; float f; memcpy(&f, &bits, sizeof f); return f;
@@ -83,12 +87,12 @@ static inline float exp_nonpositive(float x) {  /* Cephes expf polynomial */
     int32_t bits = ((int32_t)n + 127) << 23; float scale; memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
-static void attend_portable(const Args *a, int64_t member, int kv_head, float *scores) {
-    int n = a->context_lens[member], group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
+static void attend_portable(const Args *a, int64_t item, int kv_head, float *scores) {
+    int n = a->context_lens[item], group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
     int stride = padded(n), bf16 = a->bf16, bs = a->block_size;
-    int64_t row = a->cu_seqlens_q[member], head = kv_head * a->num_slots * dim;
+    int64_t row = a->query_rows[item], head = kv_head * a->num_slots * dim;
     int64_t q_offset = row * a->q_token_stride + kv_head * group * dim;
-    const int32_t *table = a->block_tables + member * a->max_blocks;
+    const int32_t *table = a->block_tables + a->table_rows[item] * a->max_blocks;
     float acc[dim], query[dim];
     for (int g = 0; g < group; g++) {
         float *s = scores + g * stride, top = -INFINITY, sum = 0.0f;
@@ -257,19 +261,19 @@ ALWAYS_INLINE void pv_heads(
         pv_columns(a, table, n, stride, values, scores, probs, total, out_row, G, C, c0, CB, BF16);
 }
 /* One KV head of one member: G query heads, rows of C 64-byte chunks, bf16 or fp32. */
-ALWAYS_INLINE void attend_vector(const Args *a, int64_t member, int kv_head, float *scores,
+ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, float *scores,
                                  const int C, const int BF16) {
     const int G = a->num_heads / a->num_kv_heads;
-    const int bytes = BF16 ? 2 : 4, dim = 64 * C / bytes, n = a->context_lens[member], stride = padded(n);
-    int64_t row = a->cu_seqlens_q[member], head = kv_head * a->num_slots * dim * bytes;
+    const int bytes = BF16 ? 2 : 4, dim = 64 * C / bytes, n = a->context_lens[query], stride = padded(n);
+    int64_t row = a->query_rows[query], head = kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     const char *q = (const char *)a->q + (row * a->q_token_stride + kv_head * G * dim) * bytes;
-    const int32_t *table = a->block_tables + member * a->max_blocks;
-    __m512i query[MAX_GROUP][MAX_CHUNKS];
+    const int32_t *table = a->block_tables + a->table_rows[query] * a->max_blocks;
+    __m512i query_chunks[MAX_GROUP][MAX_CHUNKS];
     __m512 top[MAX_GROUP];
     float total[MAX_GROUP];
     for (int g = 0; g < G; g++) {
-        for (int c = 0; c < C; c++) query[g][c] = _mm512_loadu_si512(q + g * dim * bytes + 64 * c);
+        for (int c = 0; c < C; c++) query_chunks[g][c] = _mm512_loadu_si512(q + g * dim * bytes + 64 * c);
         top[g] = _mm512_set1_ps(-INFINITY);
     }
     int64_t rows[TILE], ahead[TILE];
@@ -285,7 +289,7 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t member, int kv_head, flo
         }
         prefetch_rows(values, rows, bytes, dim * bytes);
         for (int g = 0; g < G; g++) {
-            __m512 s = _mm512_mul_ps(qk_tile(keys, rows, query[g], C, BF16), _mm512_set1_ps(a->scale));
+            __m512 s = _mm512_mul_ps(qk_tile(keys, rows, query_chunks[g], C, BF16), _mm512_set1_ps(a->scale));
             top[g] = _mm512_mask_max_ps(top[g], valid_lanes(start, n), top[g], s);
             _mm512_storeu_ps(scores + g * stride + start, s);
         }
@@ -348,27 +352,19 @@ int paged_decode_vectorised(int bf16, int group, int head_dim) {
     return vector_variant(bf16, group, head_dim) != NULL;
 }
 
-/* Returns OK, NO_MEMORY (out incomplete) or, with nothing written: BAD_SHAPE (heads, head_dim or
- * block_size), BAD_CONTEXT (a context < 1) or SHORT_TABLE (a context past its block table). */
-int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
-                 int64_t num_slots, const int32_t *block_tables, int64_t max_blocks,
-                 const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *members,
-                 int num_members, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 float scale, int bf16, int num_threads) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
-    Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
-                 cu_seqlens_q, context_lens, members, num_heads, num_kv_heads, head_dim, block_size,
-                 bf16, scale};
-    int group = num_heads / num_kv_heads, max_context = 1;
-    int64_t total = 0, items = (int64_t)num_members * num_kv_heads;
-    for (int i = 0; i < num_members; i++) {
-        int n = context_lens[members[i]];
+/* Every query of a.query_rows/table_rows/context_lens [num_queries], each against its KV heads.
+ * Work items are (query, KV head) pairs, split into contiguous runs of about equal context. */
+static int attend_queries(const Args *a, int64_t num_queries, int num_threads) {
+    int group = a->num_heads / a->num_kv_heads, max_context = 1, num_kv_heads = a->num_kv_heads;
+    int64_t total = 0, items = num_queries * num_kv_heads;
+    for (int64_t i = 0; i < num_queries; i++) {
+        int n = a->context_lens[i];
         if (n < 1) return BAD_CONTEXT;
-        if ((n - 1) / block_size >= max_blocks) return SHORT_TABLE;
+        if ((n - 1) / a->block_size >= a->max_blocks) return SHORT_TABLE;
         total += n;
         max_context = n > max_context ? n : max_context;
     }
-    Attend attend = vector_variant(bf16, group, head_dim);
+    Attend attend = vector_variant(a->bf16, group, a->head_dim);
     if (attend == NULL) attend = attend_portable;
     num_threads = num_threads < 1 ? 1 : num_threads > 64 ? 64 : num_threads;
     if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
@@ -376,7 +372,7 @@ int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k
     for (int t = 0; t < num_threads; t++) {
         int64_t goal = total * num_kv_heads * (t + 1) / num_threads;
         for (; item < items; item++) {
-            int n = context_lens[members[item / num_kv_heads]];
+            int n = a->context_lens[item / num_kv_heads];
             if (t < num_threads - 1 && done + n / 2 >= goal) break;
             done += n;
         }
@@ -394,8 +390,46 @@ int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k
         failed |= scores == NULL;
         for (int t = first; scores != NULL && t < num_threads; t += step)
             for (int64_t i = bounds[t]; i < bounds[t + 1]; i++)
-                attend(&args, members[i / num_kv_heads], (int)(i % num_kv_heads), scores);
+                attend(a, i / num_kv_heads, (int)(i % num_kv_heads), scores);
         free(scores);
     }
     return failed ? NO_MEMORY : OK;
+}
+
+/* Returns OK, NO_MEMORY (out incomplete) or, with nothing written: BAD_SHAPE (heads, head_dim or
+ * block_size), BAD_CONTEXT (a context < 1) or SHORT_TABLE (a context past its block table). */
+int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
+                 int64_t num_slots, const int32_t *block_tables, int64_t max_blocks,
+                 const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *members,
+                 int num_members, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                 float scale, int bf16, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
+    size_t count = num_members > 0 ? (size_t)num_members : 1;
+    int64_t *query_rows = malloc(count * sizeof *query_rows);
+    int32_t *lens = malloc(count * sizeof *lens);
+    int status = NO_MEMORY;
+    if (query_rows != NULL && lens != NULL) {
+        for (int i = 0; i < num_members; i++)
+            query_rows[i] = cu_seqlens_q[members[i]], lens[i] = context_lens[members[i]];
+        Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
+                     query_rows, members, lens, num_heads, num_kv_heads, head_dim, block_size, bf16, scale};
+        status = attend_queries(&args, num_members, num_threads);
+    }
+    free(query_rows), free(lens);
+    return status;
+}
+
+/* Prefill chunks as decodes: query i (q's row query_rows[i], of the member whose block table is row
+ * table_rows[i]) attends causally to its member's first context_lens[i] positions, this step's K/V
+ * included (written to the cache before attention). Returns as paged_decode. */
+int paged_attend_queries(const void *q, int64_t q_token_stride, void *out, const void *k_cache,
+                         const void *v_cache, int64_t num_slots, const int32_t *block_tables,
+                         int64_t max_blocks, const int64_t *query_rows, const int64_t *table_rows,
+                         const int32_t *context_lens, int64_t num_queries, int num_heads, int num_kv_heads,
+                         int head_dim, int block_size, float scale, int bf16, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
+    Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
+                 query_rows, table_rows, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                 bf16, scale};
+    return attend_queries(&args, num_queries, num_threads);
 }
