@@ -23,7 +23,7 @@ from deploy.model_info import ModelError, read_model_info
 from deploy.model_source import resolve_model
 from deploy.replay import BenchError, ReplayOptions, add_replay_arguments, replay, replay_options
 from deploy.trace import TraceEntry, add_trace_arguments, save_trace, trace_from_args
-from proto.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from proto.config import DTYPE_CHOICES, SCHEDULING_POLICIES, EngineConfig
 from proto.errors import ValidationError
 
 
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=batch_sizes, default=[1, 2, 4, 8, 16, 32],
                         help="comma-separated batch sizes to try (default 1,2,4,8,16,32)")
     parser.add_argument("--itl-target-ms", type=float, default=50.0, help="P99 inter-token latency target")
-    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype)
     parser.add_argument("--scheduling", choices=SCHEDULING_POLICIES, default=defaults.scheduling)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="0 = from the memory budget")

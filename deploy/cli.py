@@ -15,7 +15,8 @@ from pathlib import Path
 from deploy.model_info import ModelError, read_model_info
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields
-from proto.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from deploy.cpu_isa import CAP_VARIABLE
+from proto.config import ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES, EngineConfig
 from proto.errors import ValidationError
 
 log = logging.getLogger("conveyor.deploy")
@@ -40,7 +41,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' on /v1/*")
-    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
+                        help="auto: bfloat16 where the CPU (AMX, AVX512-BF16, AVX-NE-CONVERT) or GPU "
+                             "computes it natively, else float32")
+    parser.add_argument("--cpu-isa", choices=CPU_ISAS, default="",
+                        help=f"use at most this CPU instruction set (default: all the CPU has; also "
+                             f"${CAP_VARIABLE}); for testing other CPUs' paths")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
                         help="auto: flash-attn on CUDA when installed, the native decode kernel on the "
                              "CPU when it builds (needs a C compiler), else the torch reference")
@@ -83,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                               f"{info.max_position_embeddings}")
     config = EngineConfig(
         model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
-        dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
+        dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -109,8 +115,8 @@ def serve(args: argparse.Namespace) -> int:
     except (ModelError, ValidationError) as exc:
         log.error("%s", exc)
         return 2
-    log.info("serving model directory %s as %r (%s, %s scheduling)", config.model,
-             config.served_model_name, config.dtype, config.scheduling)
+    log.info("serving model directory %s as %r (%s scheduling)", config.model,
+             config.served_model_name, config.scheduling)
     stopping = {"flag": False}
 
     def request_stop(signum: int, _frame: object) -> None:

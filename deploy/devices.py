@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from deploy.cpu_isa import torch_isa_env
 from proto.config import EngineConfig
 from proto.errors import ValidationError
 
@@ -42,8 +43,9 @@ def check_devices(config: EngineConfig, gpus: list[str]) -> None:
 
 def worker_env(config: EngineConfig, local_rank: int, gpus: list[str]) -> dict[str, str]:
     """Environment overrides for one worker: CUDA_VISIBLE_DEVICES = its one GPU (so it is
-    cuda:0 inside); on a CPU node, nothing (the worker splits the cores itself)."""
+    cuda:0 inside); on a CPU node, torch's ISA cap when --cpu-isa / CONVEYOR_CPU_ISA sets one
+    (the worker splits the cores itself)."""
     if not gpus:
-        return {}
+        return torch_isa_env(config.cpu_isa)
     index = config.devices[local_rank] if config.devices else local_rank
     return {"CUDA_VISIBLE_DEVICES": gpus[index]}

@@ -23,6 +23,7 @@ from typing import IO
 
 import zmq
 
+from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
 from proto import codec, sockets
 from proto.config import EngineConfig
@@ -83,8 +84,10 @@ class Stack:
         gpus = visible_gpus()
         try:
             check_devices(self.config, gpus)
+            self.config = resolve_dtype(self.config, bool(gpus), os.environ)
         except ValidationError as exc:
             raise StartupError(str(exc)) from exc
+        log.info("dtype %s: %s", self.config.dtype, self.config.dtype_reason)
         if self._owns_runtime_dir:
             self.config = self.config.with_updates(runtime_dir=sockets.make_runtime_dir())
         self._context = zmq.Context()

@@ -8,7 +8,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from proto.errors import ValidationError
 
 SCHEDULING_POLICIES = ("continuous", "static")
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float32")  # what a worker runs in
+# auto: bf16 where the CPU or GPU computes it natively, else fp32 (resolved by the supervisor).
+DTYPE_CHOICES = ("auto", *DTYPES)
+# CPU instruction-set levels, each including the ones before it; a cap holds conveyor to one.
+CPU_ISAS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 # auto: flash-attn on CUDA when installed, the native CPU kernel when it builds, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "flash")
 
@@ -20,7 +24,9 @@ class EngineConfig:
 
     model: str = ""
     served_model_name: str = ""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # the supervisor resolves auto before any child starts
+    dtype_reason: str = ""  # why the supervisor chose dtype (logged, shown on /version)
+    cpu_isa: str = ""  # cap on the CPU ISA conveyor uses, one of CPU_ISAS; "" = all the CPU has
     attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30  # CPU: the KV cache budget per worker
@@ -61,8 +67,11 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValidationError(
                 f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}", "scheduling")
-        if self.dtype not in DTYPES:
-            raise ValidationError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", "dtype")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValidationError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}", "dtype")
+        if self.cpu_isa and self.cpu_isa not in CPU_ISAS:
+            raise ValidationError(f"cpu_isa must be one of {CPU_ISAS} or empty, got {self.cpu_isa!r}",
+                                  "cpu_isa")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValidationError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                                   f"{self.attention_backend!r}", "attention_backend")

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from worker_proc.attention import AttentionBackend
 from worker_proc.model import LlamaForCausalLM
-from worker_proc.model_config import DTYPES, ModelConfig, load_model_config
+from worker_proc.model_config import ModelConfig, load_model_config, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def load_model(model_dir: str | Path, dtype: str, backend: AttentionBackend,
     """Build the model in `dtype` on `device` (CPU by default) and fill every parameter from the
     checkpoint, or raise."""
     config = load_model_config(model_dir)
-    with _default_dtype(DTYPES[dtype]), device or torch.device("cpu"):
+    with _default_dtype(torch_dtype(dtype)), device or torch.device("cpu"):
         model = LlamaForCausalLM(config, backend)
     names = checkpoint_tensor_names(model_dir)
     if "lm_head.weight" not in names and not config.tie_word_embeddings:

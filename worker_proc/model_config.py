@@ -15,6 +15,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # EngineConfig.
 log = logging.getLogger(__name__)
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """EngineConfig.dtype -> torch; 'auto' is the supervisor's to resolve before a worker starts."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one a worker runs in ({', '.join(DTYPES)}): the "
+                         "supervisor resolves 'auto' (deploy.cpu_isa.resolve_dtype) before workers start")
+    return DTYPES[name]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str

@@ -13,7 +13,7 @@ from proto.logprobs import LogprobEntries, concat_entries
 from proto.messages import StepPlan, StepResult
 from worker_proc.kv_cache import num_kv_blocks_for
 from worker_proc.logprobs import prompt_targets, sampled_asks
-from worker_proc.model_config import DTYPES, parse_model_config
+from worker_proc.model_config import parse_model_config, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -101,5 +101,5 @@ def _read_model_config(model_dir: str) -> dict:
 def _derived_num_blocks(config: EngineConfig, raw: dict) -> int:
     """What the real worker would report when config.json is known, else a nominal count."""
     if raw:
-        return num_kv_blocks_for(config, parse_model_config(raw), DTYPES[config.dtype])
+        return num_kv_blocks_for(config, parse_model_config(raw), torch_dtype(config.dtype))
     return max(1, config.kv_cache_memory_bytes // (config.block_size * _NOMINAL_KV_BYTES_PER_TOKEN))

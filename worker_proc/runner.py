@@ -22,7 +22,7 @@ from worker_proc.kv_cache import (
     gpu_kv_budget_bytes,
     num_kv_blocks_for,
 )
-from worker_proc.layers.linear import cpu_prepack_available
+from worker_proc.layers.linear import cpu_prepack_supported
 from worker_proc.loader import load_model
 from worker_proc.logprobs import (
     PromptTargets,
@@ -30,7 +30,7 @@ from worker_proc.logprobs import (
     prompt_targets,
     sampled_asks,
 )
-from worker_proc.model_config import DTYPES
+from worker_proc.model_config import torch_dtype
 from worker_proc.null_runner import NullModelRunner
 from worker_proc.sampler import sample, sampling_batch_from_plan
 
@@ -49,12 +49,12 @@ class ModelRunner:
         started = time.perf_counter()
         log.info("rank %d loading model from %s (%s, %d threads)", rank, config.model, config.dtype,
                  torch.get_num_threads())
-        dtype = DTYPES[config.dtype]
+        dtype = torch_dtype(config.dtype)
         self.attention = attention_backend_for(self.device, dtype, config.block_size,
                                                config.attention_backend)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
-        if self.device.type == "cpu" and cpu_prepack_available():
+        if self.device.type == "cpu" and cpu_prepack_supported(dtype):
             self.model.pack_for_cpu()
         gpu_budget = None
         if self.device.type == "cuda" and not config.num_kv_blocks:
@@ -78,7 +78,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         scratch = 0
         if self.attention.gathers_context:
-            scratch = gather_scratch_bytes(self.config, self.model.config, DTYPES[self.config.dtype],
+            scratch = gather_scratch_bytes(self.config, self.model.config, torch_dtype(self.config.dtype),
                                            self.max_model_len)
         budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens, scratch)
         log.info("rank %d: a %d-token step peaks at %.2f GiB, attention scratch %.2f GiB; %.2f GiB "
@@ -104,7 +104,7 @@ class ModelRunner:
         max_blocks = -(-int(contexts.max()) // config.block_size)
         num_blocks = len(contexts) * max_blocks
         scratch = allocate_kv_cache(self.model.config, num_blocks, config.block_size,
-                                    DTYPES[config.dtype], config.tensor_parallel_size, self.device,
+                                    torch_dtype(config.dtype), config.tensor_parallel_size, self.device,
                                     self.attention.kv_layout)
         plan = synthetic_plan(0, contexts, contexts, np.zeros(num_tokens, np.int64), max_blocks)
         batch = build_step_batch(plan, config.block_size, num_blocks,

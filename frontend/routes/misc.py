@@ -69,8 +69,12 @@ async def detokenize(request: Request) -> dict:
 
 
 @router.get("/version")
-async def version() -> dict:
+async def version(request: Request) -> dict:
+    """conveyor's version and what the workers compute in, with the supervisor's reason."""
+    config = get_state(request).config
     try:
-        return {"version": metadata.version("conveyor")}
+        number = metadata.version("conveyor")
     except metadata.PackageNotFoundError:
-        return {"version": "unknown"}
+        number = "unknown"
+    return {"version": number, "dtype": config.dtype, "dtype_reason": config.dtype_reason,
+            "cpu_isa_cap": config.cpu_isa or None}

@@ -10,7 +10,9 @@ import httpx
 import pytest
 from support import hf_greedy_texts, metric_value, sse_events, tiny_config
 
+from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
 from deploy.launcher import Stack
+from proto.config import CPU_ISAS
 
 PROMPTS = [f"Request {i}: the quick brown fox" + " jumps over" * (i % 7) for i in range(32)]
 MAX_TOKENS = 24
@@ -101,3 +103,23 @@ def test_chat_completion_uses_the_chat_template(stack: Stack) -> None:
     # "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n" is more than "Hello" alone
     tokens = httpx.post(f"{stack.url}/tokenize", json={"prompt": "Hello"}, timeout=10).json()
     assert payload["usage"]["prompt_tokens"] > tokens["count"]
+
+
+ISA_CAPS = [level for level in CPU_ISAS if rank(level) <= rank(cpu_isa(read_cpu_flags()).detected)]
+
+
+@pytest.mark.parametrize("cap", ISA_CAPS)
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_stack_serves_under_every_isa_cap_this_cpu_allows(
+        tiny_model_dir: Path, hf_texts: list[str], cap: str, dtype: str) -> None:
+    """Held to a lower ISA (the dtype choice, the kernel's compile flags, torch's oneDNN and ATen),
+    the stack still starts and serves; fp32 (auto without native bf16) still equals HF exactly."""
+    config = tiny_config(tiny_model_dir, cpu_isa=cap, dtype=dtype)
+    with Stack(config) as capped:
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+        response = httpx.post(f"{capped.url}/v1/completions", json=body, timeout=60)
+        served_dtype = httpx.get(f"{capped.url}/version", timeout=10).json()["dtype"]
+    assert response.status_code == 200, response.text
+    assert served_dtype == capped.config.dtype != "auto"
+    if served_dtype == "float32":
+        assert response.json()["choices"][0]["text"] == hf_texts[1]

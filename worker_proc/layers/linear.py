@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker_proc import parallel
+
+log = logging.getLogger(__name__)
 
 
 def _attach_loader(param: nn.Parameter, loader: object) -> nn.Parameter:
@@ -14,8 +19,20 @@ def _attach_loader(param: nn.Parameter, loader: object) -> nn.Parameter:
     return param
 
 
-def cpu_prepack_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.cache
+def cpu_prepack_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks weights of this dtype on this CPU, asked of oneDNN itself: it refuses
+    bf16 without AVX512BW/VL/DQ or AVX-NE-CONVERT (AVX2-only CPUs, or ONEDNN_MAX_CPU_ISA capped),
+    and there unpacked F.linear still runs, emulated."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        prepack(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError as error:
+        log.info("oneDNN cannot prepack %s weights on this CPU (%s): linears run unpacked", dtype,
+                 " ".join(str(error).split())[:200])
+        return False
+    return True
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
