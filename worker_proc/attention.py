@@ -52,9 +52,9 @@ class AttentionMetadata:
     # For varlen kernels (attention_varlen): the whole ragged batch at once.
     cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of each member's context
     context_slots: torch.Tensor | None = None  # int64 [total_context] every member's context, packed
-    # For kernels that read the paged cache through block_tables (attention_native).
-    context_lens: torch.Tensor | None = None  # int32 [num_seqs] cached prefix + this step's tokens
-    decode_members: torch.Tensor | None = None  # int64 [num_decodes] members with one query token
+    # For kernels that read the paged cache through block_tables, one query per token (attention_native).
+    token_members: torch.Tensor | None = None  # int32 [num_tokens] each token's member (block table row)
+    token_context_lens: torch.Tensor | None = None  # int32 [num_tokens] positions it sees (position + 1)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self)}
@@ -99,8 +99,7 @@ class TorchPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        write_kv(k, v, k_cache, v_cache, meta)
         num_tokens, num_heads, head_dim = q.shape
         out = self.decode(q, k_cache, v_cache, meta)
         if meta.prefills:
@@ -122,6 +121,13 @@ class TorchPagedAttention:
         """Writes every prefill chunk's rows of out [num_tokens, num_heads, head_dim]."""
         for span in meta.prefills:
             out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """This step's k, v [num_tokens, num_kv_heads, head_dim] into HEADS_MAJOR caches at slot_mapping."""
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
 
 class ScratchBuffers:

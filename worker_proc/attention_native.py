@@ -2,11 +2,10 @@
 
 The reference gathers every decode member's context into a scratch buffer (one copy of K and V)
 and then runs batched matmuls whose GQA groups are a few rows tall; the kernel reads each K/V row
-once, in place, for the KV head's whole group. A prefill chunk's query at position p is a decode
-with context p + 1 over the same block table (this step's K/V are in the cache before attention),
-so chunks run through the same kernel, one work item per query, instead of SDPA. The cache layout
-and writes are the reference's own (this class replaces TorchPagedAttention.decode and .prefill).
-SmolLM2-135M bf16: docs/benchmarks.md "Decode attention on the CPU".
+once, in place, for the KV head's whole group. Every token of the step is one query of the same
+kernel call: a decode attends to its whole context, a prefill chunk's token at position p to the
+first p + 1 positions (this step's K/V are written to the cache first). The cache layout and the
+writes are the reference's own. SmolLM2-135M: docs/benchmarks.md "Decode attention on the CPU".
 """
 
 from __future__ import annotations
@@ -15,83 +14,49 @@ import logging
 
 import torch
 
-from worker_proc.attention import AttentionMetadata, TorchPagedAttention
-from worker_proc.native import PagedDecodeKernel
+from worker_proc.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from worker_proc.kv_cache import KVLayout
+from worker_proc.native import PagedAttentionKernel
 
 log = logging.getLogger(__name__)
 
 
-class NativePagedAttention(TorchPagedAttention):
+class NativePagedAttention:
     """Same results as the reference within rounding: fp32 softmax, scores and products in fp32
     (bf16 inputs multiply exactly), probabilities rounded to the model's dtype before p.v.
 
-    only_vectorised (the auto choice): where the kernel has no AVX512 path for the model's dtype
-    and shape, decode with the reference instead of the kernel's slower portable loop."""
+    only_vectorised (the auto choice): where this build has only the portable C loop for the model's
+    dtype and shape (slower than the reference), attend with the reference instead."""
 
-    def __init__(self, kernel: PagedDecodeKernel, block_size: int, only_vectorised: bool = False) -> None:
-        super().__init__()
+    needs_packed_context = False
+    gathers_context = False
+    kv_layout = KVLayout.HEADS_MAJOR
+
+    def __init__(self, kernel: PagedAttentionKernel, block_size: int, only_vectorised: bool = False) -> None:
         self.kernel = kernel
         self.block_size = block_size
         self.only_vectorised = only_vectorised
-        self._use_kernel: dict[tuple[torch.dtype, int, int], bool] = {}
-        # The step whose tables passed the kernel's check_reads: every layer decodes the same
-        # AttentionMetadata over same-shaped caches, so it is checked once per step, not per layer.
-        # Held, not just its id(), so that a later step's object cannot reuse the address.
-        self._checked_meta: AttentionMetadata | None = None
-        # The step whose prefill queries were last built (and checked), with them.
-        self._query_meta: AttentionMetadata | None = None
-        self._queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.reference = TorchPagedAttention()
+        self._vectorised: dict[tuple[torch.dtype, int, int], bool] = {}
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        group = q.shape[1] // k_cache.shape[0]
-        if self.only_vectorised and not self._kernel_covers(q.dtype, group, q.shape[2]):
-            return super().decode(q, k_cache, v_cache, meta)
-        members = meta.decode_members
-        assert members is not None and meta.context_lens is not None, "built by batch.build_step_batch"
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Shapes as AttentionBackend.forward."""
+        num_tokens, num_heads, head_dim = q.shape
+        if self.only_vectorised and not self._has_vector_path(q.dtype, num_heads // k_cache.shape[0], head_dim):
+            return self.reference.forward(q, k, v, k_cache, v_cache, meta)
+        write_kv(k, v, k_cache, v_cache, meta)
         out = q.new_empty(q.shape)  # [num_tokens, num_heads, head_dim]
-        if len(members):
-            self.kernel(q, out, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                        members, self.block_size, torch.get_num_threads(),
-                        reads_checked=meta is self._checked_meta)
-            self._checked_meta = meta
-        return out
+        self.kernel(q, out, k_cache, v_cache, meta.block_tables, meta.token_members, meta.token_context_lens,
+                    self.block_size, torch.get_num_threads())
+        return out.view(num_tokens, num_heads * head_dim)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        group = q.shape[1] // k_cache.shape[0]
-        if self.only_vectorised and not self._kernel_covers(q.dtype, group, q.shape[2]):
-            return super().prefill(q, k, v, k_cache, v_cache, meta, out)
-        checked = meta is self._query_meta
-        if not checked:
-            self._queries, self._query_meta = prefill_queries(meta), meta
-        assert self._queries is not None
-        query_rows, table_rows, context_lens = self._queries
-        self.kernel.attend_queries(q, out, k_cache, v_cache, meta.block_tables, query_rows, table_rows,
-                                   context_lens, self.block_size, torch.get_num_threads(),
-                                   reads_checked=checked)
-
-    def _kernel_covers(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    def _has_vector_path(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         key = (dtype, group, head_dim)
-        if key not in self._use_kernel:
-            self._use_kernel[key] = self.kernel.vectorised(dtype, group, head_dim)
-            if not self._use_kernel[key]:
-                log.info("attention: torch reference decode: the native kernel has no vectorised path "
-                         "for %s, %d query heads per KV head, head_dim %d on this CPU (needs AVX512F, and "
-                         "AVX512-BF16 for bfloat16)",
-                         dtype, group, head_dim)
-        return self._use_kernel[key]
-
-
-def prefill_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(query_rows int64, table_rows int64, context_lens int32), each [num_prefill_tokens]: every
-    token of a multi-token member, its member and its causal context length (position + 1)."""
-    assert meta.context_lens is not None, "built by batch.build_step_batch"
-    cu_seqlens_q = meta.cu_seqlens_q.long()  # int64 [num_seqs + 1]
-    num_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # int64 [num_seqs]
-    token_members = torch.repeat_interleave(torch.arange(len(num_q)), num_q)  # int64 [num_tokens]
-    query_rows = torch.nonzero(num_q[token_members] > 1).view(-1)  # int64 [num_prefill_tokens]
-    table_rows = token_members[query_rows]
-    # A member's last query sees its whole context; each earlier one a position less.
-    context_lens = meta.context_lens[table_rows] - (cu_seqlens_q[table_rows + 1] - 1 - query_rows)
-    return query_rows, table_rows.contiguous(), context_lens.to(torch.int32)
+        if key not in self._vectorised:
+            path = self.kernel.code_path(dtype, group, head_dim)
+            self._vectorised[key] = path != "portable"
+            log.info("attention: %s for %s, %d query heads per KV head, head_dim %d", "native kernel, "
+                     f"{path} path" if path != "portable" else "torch reference (the native kernel has "
+                     "only its portable loop for this shape on this CPU)", dtype, group, head_dim)
+        return self._vectorised[key]

@@ -25,7 +25,7 @@ import torch
 from worker_proc.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from worker_proc.attention_native import NativePagedAttention
 from worker_proc.kv_cache import KVLayout
-from worker_proc.native import NativeBuildError, load_paged_decode
+from worker_proc.native import NativeBuildError, load_paged_attention
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +86,16 @@ class AttentionBackendError(RuntimeError):
 
 
 def attention_backend_for(device: torch.device, dtype: torch.dtype, block_size: int,
-                          choice: str = "auto") -> AttentionBackend:
+                          choice: str = "auto", cpu_isa: str = "") -> AttentionBackend:
     """choice is EngineConfig.attention_backend. auto: flash-attn on CUDA in bf16/fp16 when it is
     installed, the native kernel on the CPU when it builds, else the torch reference (on CUDA it
     runs SDPA's fused kernels over the gathered blocks), with one log line saying why. An explicit
-    flash or native that cannot run here raises AttentionBackendError at worker start-up."""
+    flash or native that cannot run here raises AttentionBackendError at worker start-up. cpu_isa:
+    the native kernel's ISA cap (EngineConfig.cpu_isa)."""
     if choice == "flash" or (choice == "auto" and device.type == "cuda"):
         return _flash_backend(device, dtype, block_size, explicit=choice == "flash")
     if choice == "native" or (choice == "auto" and device.type == "cpu"):
-        return _native_backend(device, block_size, explicit=choice == "native")
+        return _native_backend(device, block_size, cpu_isa, explicit=choice == "native")
     return TorchPagedAttention()
 
 
@@ -116,17 +117,17 @@ def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: int,
     return VarlenPagedAttention(kernel, block_size)
 
 
-def _native_backend(device: torch.device, block_size: int, explicit: bool) -> AttentionBackend:
+def _native_backend(device: torch.device, block_size: int, cpu_isa: str, explicit: bool) -> AttentionBackend:
     if device.type != "cpu":
         raise AttentionBackendError(f"--attention-backend native runs on the CPU only, the worker runs "
                                     f"on {device.type}")
     try:
-        kernel = load_paged_decode()
+        kernel = load_paged_attention(cpu_isa)
     except NativeBuildError as error:
         if explicit:
             raise AttentionBackendError(f"--attention-backend native: {error}") from error
         log.info("attention: torch reference (the native kernel is unavailable: %s)",
                  " ".join(str(error).split())[:400])
         return TorchPagedAttention()
-    log.info("attention: native paged decode (%s)", kernel.path.name)
+    log.info("attention: native paged attention (%s)", kernel.path.name)
     return NativePagedAttention(kernel, block_size, only_vectorised=not explicit)

@@ -67,8 +67,8 @@ def build_step_batch(plan: StepPlan, block_size: int, num_kv_blocks: int,
         cu_seqlens_k=torch.from_numpy(np.concatenate([[0], np.cumsum(context_lens)]).astype(np.int32)),
         context_slots=(torch.from_numpy(_packed_context_slots(block_tables, context_lens, block_size))
                        if packed_context else None),
-        context_lens=torch.from_numpy(context_lens.astype(np.int32)),
-        decode_members=torch.from_numpy(np.flatnonzero(is_decode)),
+        token_members=torch.from_numpy(member.astype(np.int32)),
+        token_context_lens=torch.from_numpy((positions + 1).astype(np.int32)),
     )
     sample_members = np.flatnonzero(plan.sample_mask)
     return StepBatch(

@@ -51,7 +51,7 @@ class ModelRunner:
                  torch.get_num_threads())
         dtype = torch_dtype(config.dtype)
         self.attention = attention_backend_for(self.device, dtype, config.block_size,
-                                               config.attention_backend)
+                                               config.attention_backend, config.cpu_isa)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):

@@ -1,6 +1,6 @@
-"""The native CPU attention kernel (decodes, prefill chunks) equals the torch reference; its build
-is cached per machine; backend selection falls back (auto) or fails at start-up with a reason (an
-explicit choice)."""
+"""The native CPU attention kernel (decodes, prefill chunks) equals the torch reference at every ISA
+level this CPU can run, on the path built for that level; its build is cached per machine and cap;
+backend selection falls back (auto) or fails at start-up with a reason (an explicit choice)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.messages import StepPlan
-from worker_proc import native
+from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
+from worker_proc import native, native_build
 from worker_proc.attention import AttentionMetadata, TorchPagedAttention
 from worker_proc.attention_native import NativePagedAttention
 from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
@@ -27,12 +28,32 @@ from worker_proc.runner import ModelRunner
 NUM_BLOCKS = 64
 
 
-@pytest.fixture(scope="module")
-def kernel() -> native.PagedDecodeKernel:
+MACHINE = cpu_isa(read_cpu_flags())
+# Every ISA level this CPU can run, as the kernel is built for it ("" = -march=native), with the
+# path its fp32 and bf16 variants take for head_dim 64.
+LEVELS = ["", *(level for level in ("baseline", "avx2", "avx512", "avx512_bf16")
+                if rank(level) <= rank(MACHINE.detected))]
+EXPECTED_PATHS = {"baseline": ("portable", "portable"), "avx2": ("avx2", "avx2"),
+                  "avx512": ("avx512", "avx2"), "avx512_bf16": ("avx512", "avx512"),
+                  "amx": ("avx512", "avx512")}
+
+
+def load(level: str = "") -> native.PagedAttentionKernel:
     try:
-        return native.load_paged_decode()
+        return native.load_paged_attention(level)
     except native.NativeBuildError as error:
         pytest.skip(f"the native kernel does not build here: {error}")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.PagedAttentionKernel:
+    return load()
+
+
+@pytest.fixture(scope="module", params=LEVELS, ids=[level or "native" for level in LEVELS])
+def leveled(request: pytest.FixtureRequest) -> native.PagedAttentionKernel:
+    """The kernel built for each ISA level this CPU has (-march=native included)."""
+    return load(request.param)
 
 
 @pytest.fixture
@@ -40,9 +61,9 @@ def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Non
     """CC names a compiler that does not exist, and nothing is cached yet."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
-    native.load_paged_decode.cache_clear()
+    native.load_paged_attention.cache_clear()
     yield
-    native.load_paged_decode.cache_clear()
+    native.load_paged_attention.cache_clear()
 
 
 def mixed_plan(block_size: int) -> StepPlan:
@@ -80,25 +101,42 @@ def run_step(backend: TorchPagedAttention, plan: StepPlan, block_size: int, dtyp
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [
-    (2, 2, 64), (6, 2, 64),  # GQA groups of 1 and 3, the vectorised path
+    (2, 2, 64), (6, 2, 64), (16, 2, 64), (8, 1, 128),  # GQA groups 1, 3, 8 and 8; vector paths
+    (4, 2, 16),  # the tiny model's shape: AVX2 covers it, AVX512 only in fp32
     (3, 3, 8), (6, 2, 24),  # head_dims no vector path covers: the portable loop
 ])
 @pytest.mark.parametrize("block_size", [16, 4])  # tiles inside one block / spanning several
 @pytest.mark.parametrize("make_plan_for", [mixed_plan, prefill_plan])
-def test_native_attention_equals_the_reference_on_decodes_and_prefill_chunks(
-        kernel: native.PagedDecodeKernel, make_plan_for: Callable[[int], StepPlan], block_size: int,
+def test_native_attention_equals_the_reference_on_decodes_and_prefill_chunks_at_every_isa_level(
+        leveled: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan], block_size: int,
         num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, tolerance: float) -> None:
     plan = make_plan_for(block_size)
     shape = (plan, block_size, dtype, num_heads, num_kv_heads, head_dim)
     want, want_caches = run_step(TorchPagedAttention(), *shape)
-    got, got_caches = run_step(NativePagedAttention(kernel, block_size), *shape)
+    got, got_caches = run_step(NativePagedAttention(leveled, block_size), *shape)
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got_caches, want_caches)  # this step's K/V written to the same slots
 
 
+@pytest.mark.parametrize("level", LEVELS[1:])
+def test_each_isa_level_runs_the_path_built_for_it(level: str) -> None:
+    """A vectorised case must not pass by silently running the portable loop."""
+    kernel = load(level)
+    fp32, bf16 = EXPECTED_PATHS[level]
+    assert kernel.code_path(torch.float32, 3, 64) == fp32
+    assert kernel.code_path(torch.bfloat16, 3, 64) == bf16
+    assert kernel.code_path(torch.float32, 3, 24) == "portable"  # no vector path has head_dim 24
+    assert f"-{level}-" in kernel.path.name
+
+
+def test_the_uncapped_build_runs_the_widest_path_this_cpu_has(kernel: native.PagedAttentionKernel) -> None:
+    assert kernel.code_path(torch.float32, 3, 64) == EXPECTED_PATHS[MACHINE.detected][0]
+    assert kernel.code_path(torch.bfloat16, 3, 64) == EXPECTED_PATHS[MACHINE.detected][1]
+
+
 @pytest.mark.parametrize("make_plan_for", [mixed_plan, prefill_plan])
 def test_the_kernel_splits_queries_across_threads_without_changing_results(
-        kernel: native.PagedDecodeKernel, make_plan_for: Callable[[int], StepPlan]) -> None:
+        kernel: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan]) -> None:
     plan = make_plan_for(16)
     shape = (plan, 16, torch.bfloat16, 6, 2, 64)
     previous = torch.get_num_threads()
@@ -112,29 +150,31 @@ def test_the_kernel_splits_queries_across_threads_without_changing_results(
     assert torch.equal(one, two)
 
 
-def test_auto_decodes_shapes_without_a_vector_path_with_the_reference(
-        kernel: native.PagedDecodeKernel) -> None:
-    assert not kernel.vectorised(torch.float32, 3, 24)
+def test_auto_attends_shapes_without_a_vector_path_with_the_reference(
+        kernel: native.PagedAttentionKernel) -> None:
+    assert kernel.code_path(torch.float32, 3, 24) == "portable"
     shape = (mixed_plan(4), 4, torch.float32, 6, 2, 24)
     want, _ = run_step(TorchPagedAttention(), *shape)
     got, _ = run_step(NativePagedAttention(kernel, 4, only_vectorised=True), *shape)
     assert torch.equal(got, want)
+    forced, _ = run_step(NativePagedAttention(kernel, 4), *shape)  # the portable loop: close, not equal
+    assert not torch.equal(forced, want)
 
 
-def test_auto_picks_the_native_kernel_on_the_cpu(kernel: native.PagedDecodeKernel,
+def test_auto_picks_the_native_kernel_on_the_cpu(kernel: native.PagedAttentionKernel,
                                                  tiny_model_dir: Path) -> None:
-    if not kernel.vectorised(torch.float32, 2, 16):  # the tiny model's dtype, GQA group and head_dim
-        pytest.skip("no vectorised fp32 path on this CPU (needs AVX512F): auto decodes with the reference")
+    if kernel.code_path(torch.float32, 2, 16) == "portable":  # the tiny model's dtype, group, head_dim
+        pytest.skip("no vectorised fp32 path on this CPU (needs AVX2 + FMA): auto uses the reference")
     runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
     assert isinstance(runner.attention, NativePagedAttention) and runner.attention.only_vectorised
 
 
-def decode_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
-    """Random fp32 q [num_tokens, 6, 64] and K/V caches [2, NUM_BLOCKS * block_size, 64]."""
-    num_tokens = int(meta.cu_seqlens_q[-1])
+def kernel_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
+    """Random fp32 q, out [num_tokens, 6, 64] and K/V caches [2, NUM_BLOCKS * block_size, 64]."""
+    num_tokens = len(meta.token_members)
     q = torch.randn(num_tokens, 6, 64)
     k_cache, v_cache = (torch.randn(2, NUM_BLOCKS * block_size, 64) for _ in range(2))
-    return q, k_cache, v_cache
+    return q, torch.empty_like(q), k_cache, v_cache
 
 
 def short_tables(meta: AttentionMetadata) -> AttentionMetadata:
@@ -147,94 +187,78 @@ def block_past_the_cache(meta: AttentionMetadata) -> AttentionMetadata:
     return replace(meta, block_tables=tables)
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (short_tables, "member 2's context of 17 tokens needs 2 blocks of 16, its block table holds 1"),
-    (block_past_the_cache, f"member 6's block table names block {NUM_BLOCKS}, the cache holds "
-                           f"{NUM_BLOCKS} blocks of 16 slots"),
+def member_past_the_tables(meta: AttentionMetadata) -> AttentionMetadata:
+    members = meta.token_members.clone()
+    members[3] = len(meta.block_tables)
+    return replace(meta, token_members=members)
+
+
+def empty_context(meta: AttentionMetadata) -> AttentionMetadata:
+    lens = meta.token_context_lens.clone()
+    lens[8] = 0
+    return replace(meta, token_context_lens=lens)
+
+
+@pytest.mark.parametrize("make_plan_for, corrupt, message", [
+    (mixed_plan, short_tables, "token 8 \\(member 2\\): context of 17 tokens needs 2 blocks of 16, its "
+                               "block table holds 1"),
+    (prefill_plan, short_tables, "token 16 \\(member 0\\): context of 17 tokens needs 2 blocks of 16"),
+    (mixed_plan, block_past_the_cache, f"member 6's block table names block {NUM_BLOCKS}, the cache holds "
+                                       f"{NUM_BLOCKS} blocks of 16 slots"),
+    (mixed_plan, member_past_the_tables, "token 3 \\(member 8\\): member 8 is not one of the step's 8 "
+                                         "block tables"),
+    (mixed_plan, empty_context, "token 8 \\(member 2\\): context length 0 is < 1"),
 ])
-def test_block_tables_that_would_read_outside_the_cache_are_refused_naming_the_member(
-        kernel: native.PagedDecodeKernel, corrupt: Callable[[AttentionMetadata], AttentionMetadata],
-        message: str) -> None:
-    meta = corrupt(build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn)
+def test_reads_outside_the_cache_or_tables_are_refused_naming_the_token_or_member(
+        kernel: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan],
+        corrupt: Callable[[AttentionMetadata], AttentionMetadata], message: str) -> None:
+    meta = corrupt(build_step_batch(make_plan_for(16), 16, NUM_BLOCKS).attn)
+    q, out, k_cache, v_cache = kernel_inputs(meta, 16)
+    out.fill_(7.0)
     with pytest.raises(ValueError, match=message):
-        NativePagedAttention(kernel, 16).decode(*decode_inputs(meta, 16), meta)
+        kernel(q, out, k_cache, v_cache, meta.block_tables, meta.token_members, meta.token_context_lens, 16, 1)
+    assert bool((out == 7.0).all())  # refused before anything was written
 
 
-def test_prefill_tables_that_would_read_outside_the_cache_are_refused_naming_the_query(
-        kernel: native.PagedDecodeKernel) -> None:
-    meta = short_tables(build_step_batch(prefill_plan(16), 16, NUM_BLOCKS).attn)
-    q, k_cache, v_cache = decode_inputs(meta, 16)
-    kv = q[:, :2]  # unused: the kernel reads this step's K/V from the cache
-    with pytest.raises(ValueError, match="query row 16's context of 17 tokens needs 2 blocks of 16, "
-                                         "its block table holds 1"):
-        NativePagedAttention(kernel, 16).prefill(q, kv, kv, k_cache, v_cache, meta, torch.empty_like(q))
+def sources(tmp_path: Path, text: str) -> Path:
+    source_dir = tmp_path / "csrc"
+    source_dir.mkdir(exist_ok=True)
+    (source_dir / "answer.c").write_text(text)
+    return source_dir
 
 
-def test_block_tables_are_checked_once_per_step_not_once_per_layer(
-        kernel: native.PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch) -> None:
-    checked = []
-    check_reads = native.PagedDecodeKernel.check_reads
-
-    def counted(*args: object) -> None:
-        checked.append(args)
-        check_reads(*args)
-
-    monkeypatch.setattr(native.PagedDecodeKernel, "check_reads", staticmethod(counted))
-    backend = NativePagedAttention(kernel, 16)
-    steps = [build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn for _ in range(2)]
-    for meta in steps:
-        inputs = decode_inputs(meta, 16)
-        for _layer in range(3):
-            backend.decode(*inputs, meta)
-    assert len(checked) == len(steps)
-
-
-@pytest.mark.parametrize("context_len, cause", [(0, "context length is < 1"),
-                                                (17 * 16, "context runs past its block table")])
-def test_a_failed_kernel_call_names_its_cause(kernel: native.PagedDecodeKernel, context_len: int,
-                                             cause: str) -> None:
-    meta = build_step_batch(mixed_plan(16), 16, NUM_BLOCKS).attn
-    q, k_cache, v_cache = decode_inputs(meta, 16)
-    context_lens = meta.context_lens.clone()
-    context_lens[2] = context_len
-    with pytest.raises(RuntimeError, match=cause):  # past the Python checks, as a careless caller would
-        kernel(q, torch.empty_like(q), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, context_lens,
-               meta.decode_members, 16, 1, reads_checked=True)
-
-
-def test_a_built_kernel_is_reused_and_rebuilt_for_another_cpu(
+def test_a_built_kernel_is_reused_and_rebuilt_for_another_cpu_or_cap(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    source = tmp_path / "answer.c"
-    source.write_text("int answer(void) { return 42; }\n")
-    monkeypatch.setattr(native, "SOURCE", source)
+    source_dir = sources(tmp_path, "int answer(void) { return 42; }\n")
     cache = tmp_path / "cache"
     try:
-        first = native.build(cache)
+        first = native_build.build(cache, source_dir=source_dir)
     except native.NativeBuildError as error:
         pytest.skip(f"no working C compiler: {error}")
     built_at = first.stat().st_mtime_ns
-    assert native.build(cache) == first and first.stat().st_mtime_ns == built_at
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : another cpu")
-    other = native.build(cache)
-    assert other != first and ctypes.CDLL(str(other)).answer() == 42
-    assert sorted(cache.iterdir()) == sorted([first, other])  # no partial files left behind
+    assert native_build.build(cache, source_dir=source_dir) == first
+    assert first.stat().st_mtime_ns == built_at
+    capped = native_build.build(cache, "baseline", source_dir=source_dir)
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: "flags : another cpu")
+    other = native_build.build(cache, source_dir=source_dir)
+    assert len({first, capped, other}) == 3 and ctypes.CDLL(str(other)).answer() == 42
+    assert sorted(cache.iterdir()) == sorted([first, capped, other])  # no partial files left behind
 
 
 def test_the_build_compiles_the_source_it_hashed_even_if_the_file_changes_meanwhile(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    source = tmp_path / "answer.c"
-    source.write_text("int answer(void) { return 42; }\n")
-    monkeypatch.setattr(native, "SOURCE", source)
+    source_dir = sources(tmp_path, "int answer(void) { return 42; }\n")
     try:
-        cc = native.compiler()
+        cc = native_build.compiler()
     except native.NativeBuildError as error:
         pytest.skip(f"no C compiler: {error}")
     checkout = tmp_path / "checkout-cc"  # a compiler during which a checkout rewrites the source
     checkout.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] ||\n"
-                        f"  echo 'int answer(void) {{ return 7; }}' > {source}\nexec {cc} \"$@\"\n")
+                        f"  echo 'int answer(void) {{ return 7; }}' > {source_dir / 'answer.c'}\n"
+                        f"exec {cc} \"$@\"\n")
     checkout.chmod(0o755)
     monkeypatch.setenv("CC", str(checkout))
-    built = native.build(tmp_path / "cache")
+    built = native_build.build(tmp_path / "cache", source_dir=source_dir)
     assert ctypes.CDLL(str(built)).answer() == 42  # cached under the key of the 42 source
 
 
@@ -244,9 +268,9 @@ def test_a_build_that_hangs_fails_after_the_timeout_naming_the_command(
     hanging.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo hanging-cc 1.0; exit 0; }\nexec sleep 60\n')
     hanging.chmod(0o755)
     monkeypatch.setenv("CC", str(hanging))
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(native_build, "BUILD_TIMEOUT_S", 0.5)
     with pytest.raises(native.NativeBuildError, match=r"took over 0.5 s: .*hanging-cc .*-fopenmp"):
-        native.build(tmp_path / "cache")
+        native_build.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())
 
 
@@ -255,19 +279,17 @@ def test_a_build_that_hangs_fails_after_the_timeout_naming_the_command(
     ("libomptarget.so", False), ("libgompd.so.1", False), ("libomptarget.rtl.x86_64.so", False),
 ])
 def test_openmp_runtimes_are_told_from_their_sibling_libraries(name: str, is_runtime: bool) -> None:
-    assert bool(native._OPENMP_RUNTIME.fullmatch(name)) == is_runtime
+    assert bool(native_build._OPENMP_RUNTIME.fullmatch(name)) == is_runtime
 
 
-def test_a_failed_build_reports_the_compiler_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    source = tmp_path / "broken.c"
-    source.write_text("int broken(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native, "SOURCE", source)
+def test_a_failed_build_reports_the_compiler_error(tmp_path: Path) -> None:
+    source_dir = sources(tmp_path, "int broken(void) { return undeclared_name; }\n")
     try:
-        native.compiler()
+        native_build.compiler()
     except native.NativeBuildError as error:
         pytest.skip(f"no C compiler: {error}")
     with pytest.raises(native.NativeBuildError, match="undeclared_name"):
-        native.build(tmp_path / "cache")
+        native_build.build(tmp_path / "cache", source_dir=source_dir)
     assert not list((tmp_path / "cache").iterdir())
 
 

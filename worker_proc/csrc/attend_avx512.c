@@ -1,125 +1,17 @@
-/* Paged attention for the CPU: one query token per work item, K/V read straight from the
- * heads-major paged KV cache (no gather copy), softmax in fp32.
- *   q             [num_tokens, num_heads, head_dim], token rows q_token_stride elements apart
- *   out           [num_tokens, num_heads, head_dim] contiguous, q's dtype; only the queries' rows written
- *   k_cache, v_cache [num_kv_heads, num_slots, head_dim] contiguous, q's dtype (bf16 or fp32)
- *   block_tables  int32 [num_seqs, max_blocks]; slot of position p = table[p / bs] * bs + p % bs
- *   cu_seqlens_q  int32 [num_seqs + 1]; a decode member's query row is cu_seqlens_q[member]
- *   context_lens  int32 [num_seqs], each decode member's >= 1
- *   members       int64 [num_members]: which batch members are decodes
- * paged_attend_queries takes, instead of the last three, per query (prefill chunks as decodes):
- *   query_rows, table_rows int64 [num_queries]: q's row and the block table's row of each query
- *   context_lens  int32 [num_queries]: positions it attends to (its causal prefix), each >= 1
- * Work items are (query, KV head) pairs; num_threads OpenMP threads (torch's own runtime once
- * torch is loaded: same soname) take contiguous runs of about equal context.
- *
- * The AVX512 paths (fp32: AVX512F; bf16: also AVX512-BF16) read each K/V row once for the KV
- * head's whole GQA group. q.k gives per position a vector of 16 partial sums; a tile of 16
+/* AVX512 paged attention (fp32: AVX512F; bf16: also AVX512-BF16). Each K/V row is read once for the
+ * KV head's whole GQA group. q.k gives per position a vector of 16 partial sums; a tile of 16
  * positions is reduced together by a transpose-add tree (15 adds for 16 scores instead of 16
  * horizontal sums). On bf16, q.k and p.v run on dpbf16: p.v over pairs of positions whose V rows
- * are interleaved by unpack (which permutes the head_dim lanes; undone once per output row). The
- * portable path covers every other case.
- */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+ * are interleaved by unpack (which permutes the head_dim lanes; undone once per output row). */
+#include "paged_attention.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+#include <math.h>
 
-#define TILE 16     /* positions per q.k reduction tree */
-#define AHEAD 2     /* tiles of K prefetched ahead */
-#define MAX_GROUP 16 /* vectorised paths: query heads per KV head */
-#define MAX_CHUNKS 8 /* vectorised paths: 64-byte chunks per head row */
-#define PV_GROUP 4  /* query heads per p.v pass */
-
-enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEMORY = -4 };
-
-typedef struct {
-    const void *q; int64_t q_token_stride; void *out; const void *k_cache, *v_cache; int64_t num_slots;
-    const int32_t *block_tables; int64_t max_blocks;
-    const int64_t *query_rows, *table_rows; const int32_t *context_lens;  /* [num_queries] each */
-    int num_heads, num_kv_heads, head_dim, block_size, bf16; float scale;
-} Args;
-
-/* scores: float [group][stride] then bf16 [group][stride], stride = context rounded up to TILE */
-typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16; float f; memcpy(&f, &bits, sizeof f); return f;
-}
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, NaN stays NaN */
-    uint32_t bits; memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u); return (uint16_t)(bits >> 16);
-}
-static inline int padded(int n) { return (n + TILE - 1) / TILE * TILE; }
-/* Element offsets (within a head) of the rows of positions [start, start + TILE); positions past n
- * repeat the last one, so every read stays inside the member's context. */
-static inline void tile_rows(const int32_t *table, int block_size, int start, int n, int head_dim,
-                             int64_t rows[TILE]) {
-    if (block_size % TILE == 0) {  /* the tile lies inside one block */
-        int64_t first = (int64_t)table[start / block_size] * block_size + start % block_size;
-        for (int i = 0; i < TILE; i++) rows[i] = (first + (start + i < n ? i : n - 1 - start)) * head_dim;
-        return;
-    }
-    for (int i = 0; i < TILE; i++) {
-        int p = start + i < n ? start + i : n - 1;
-        rows[i] = ((int64_t)table[p / block_size] * block_size + p % block_size) * head_dim;
-    }
-}
-
-/* Portable path: any head_dim and group, bf16 or fp32. */
-static inline float element(const void *base, int64_t index, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[index]) : ((const float *)base)[index];
-}
-static inline float exp_nonpositive(float x) {  /* Cephes expf polynomial */
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f; p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23; float scale; memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-static void attend_portable(const Args *a, int64_t item, int kv_head, float *scores) {
-    int n = a->context_lens[item], group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
-    int stride = padded(n), bf16 = a->bf16, bs = a->block_size;
-    int64_t row = a->query_rows[item], head = kv_head * a->num_slots * dim;
-    int64_t q_offset = row * a->q_token_stride + kv_head * group * dim;
-    const int32_t *table = a->block_tables + a->table_rows[item] * a->max_blocks;
-    float acc[dim], query[dim];
-    for (int g = 0; g < group; g++) {
-        float *s = scores + g * stride, top = -INFINITY, sum = 0.0f;
-        for (int d = 0; d < dim; d++) query[d] = element(a->q, q_offset + g * dim + d, bf16) * a->scale;
-        for (int p = 0; p < n; p++) {
-            int64_t offset = head + ((int64_t)table[p / bs] * bs + p % bs) * dim;
-            float dot = 0.0f;
-            for (int d = 0; d < dim; d++) dot += query[d] * element(a->k_cache, offset + d, bf16);
-            s[p] = dot;
-            top = dot > top ? dot : top;
-        }
-        memset(acc, 0, sizeof acc);
-        for (int p = 0; p < n; p++) {
-            int64_t offset = head + ((int64_t)table[p / bs] * bs + p % bs) * dim;
-            float weight = exp_nonpositive(s[p] - top);
-            sum += weight;
-            for (int d = 0; d < dim; d++) acc[d] += weight * element(a->v_cache, offset + d, bf16);
-        }
-        int64_t dst = (row * a->num_heads + kv_head * group + g) * dim;
-        for (int d = 0; d < dim; d++) {
-            if (bf16) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[d] / sum);
-            else ((float *)a->out)[dst + d] = acc[d] / sum;
-        }
-    }
-}
-
-#if defined(__AVX512F__)
+#define AHEAD 2      /* tiles of K prefetched ahead */
+#define MAX_CHUNKS 8 /* 64-byte chunks per head row */
+#define PV_GROUP 4   /* query heads per p.v pass */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 /* The bf16-only instructions; without AVX512-BF16 only the fp32 variants exist, whose BF16 = 0
  * never calls these. */
@@ -206,7 +98,7 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int st
     for (int g = 0; g < G; g++)
         for (int c = 0; c < CB; c++) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
     for (int start = 0; start < n; start += TILE) {
-        tile_rows(table, a->block_size, start, n, dim, rows);
+        tile_rows(table, a->block_size, start, n, dim, TILE, rows);
         for (int i = 0; i < TILE && start + i < n; i += step) {
             __m512i weight[MAX_GROUP];
             for (int g = 0; g < G; g++) {  /* bf16: the pair (p[i], p[i + 1]), zero past n */
@@ -265,10 +157,10 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, floa
                                  const int C, const int BF16) {
     const int G = a->num_heads / a->num_kv_heads;
     const int bytes = BF16 ? 2 : 4, dim = 64 * C / bytes, n = a->context_lens[query], stride = padded(n);
-    int64_t row = a->query_rows[query], head = kv_head * a->num_slots * dim * bytes;
+    int64_t row = query, head = kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     const char *q = (const char *)a->q + (row * a->q_token_stride + kv_head * G * dim) * bytes;
-    const int32_t *table = a->block_tables + a->table_rows[query] * a->max_blocks;
+    const int32_t *table = table_of(a, query);
     __m512i query_chunks[MAX_GROUP][MAX_CHUNKS];
     __m512 top[MAX_GROUP];
     float total[MAX_GROUP];
@@ -278,13 +170,13 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, floa
     }
     int64_t rows[TILE], ahead[TILE];
     for (int start = 0; start < n && start < AHEAD * TILE; start += TILE) {
-        tile_rows(table, a->block_size, start, n, dim, ahead);
+        tile_rows(table, a->block_size, start, n, dim, TILE, ahead);
         prefetch_rows(keys, ahead, bytes, dim * bytes);
     }
     for (int start = 0; start < n; start += TILE) {
-        tile_rows(table, a->block_size, start, n, dim, rows);
+        tile_rows(table, a->block_size, start, n, dim, TILE, rows);
         if (start + AHEAD * TILE < n) {
-            tile_rows(table, a->block_size, start + AHEAD * TILE, n, dim, ahead);
+            tile_rows(table, a->block_size, start + AHEAD * TILE, n, dim, TILE, ahead);
             prefetch_rows(keys, ahead, bytes, dim * bytes);
         }
         prefetch_rows(values, rows, bytes, dim * bytes);
@@ -334,102 +226,14 @@ VARIANT(1, 1) VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1)
 #endif
 static const Attend vector_variants[2][MAX_CHUNKS] = {
     {attend_0_1, attend_0_2, NULL, attend_0_4, NULL, NULL, NULL, attend_0_8}, BF16_VARIANTS};
-#endif
 
-/* The vectorised kernel for this dtype and shape, or NULL where only the portable path applies. */
-static Attend vector_variant(int bf16, int group, int head_dim) {
-#if defined(__AVX512F__)
+/* The kernel for this dtype and shape: head rows of 64, 128, 256 or 512 bytes. */
+Attend avx512_variant(int bf16, int group, int head_dim) {
     int row_bytes = head_dim * (bf16 ? 2 : 4);
     if (group >= 1 && group <= MAX_GROUP && row_bytes % 64 == 0 && row_bytes / 64 <= MAX_CHUNKS)
         return vector_variants[bf16 ? 1 : 0][row_bytes / 64 - 1];
-#endif
-    (void)bf16; (void)group; (void)head_dim;
     return NULL;
 }
-
-/* 1 when paged_decode has a vectorised path for this dtype and shape (else it runs portable C). */
-int paged_decode_vectorised(int bf16, int group, int head_dim) {
-    return vector_variant(bf16, group, head_dim) != NULL;
-}
-
-/* Every query of a.query_rows/table_rows/context_lens [num_queries], each against its KV heads.
- * Work items are (query, KV head) pairs, split into contiguous runs of about equal context. */
-static int attend_queries(const Args *a, int64_t num_queries, int num_threads) {
-    int group = a->num_heads / a->num_kv_heads, max_context = 1, num_kv_heads = a->num_kv_heads;
-    int64_t total = 0, items = num_queries * num_kv_heads;
-    for (int64_t i = 0; i < num_queries; i++) {
-        int n = a->context_lens[i];
-        if (n < 1) return BAD_CONTEXT;
-        if ((n - 1) / a->block_size >= a->max_blocks) return SHORT_TABLE;
-        total += n;
-        max_context = n > max_context ? n : max_context;
-    }
-    Attend attend = vector_variant(a->bf16, group, a->head_dim);
-    if (attend == NULL) attend = attend_portable;
-    num_threads = num_threads < 1 ? 1 : num_threads > 64 ? 64 : num_threads;
-    if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
-    int64_t bounds[65] = {0}, done = 0, item = 0;  /* thread t takes items [bounds[t], bounds[t + 1]) */
-    for (int t = 0; t < num_threads; t++) {
-        int64_t goal = total * num_kv_heads * (t + 1) / num_threads;
-        for (; item < items; item++) {
-            int n = a->context_lens[item / num_kv_heads];
-            if (t < num_threads - 1 && done + n / 2 >= goal) break;
-            done += n;
-        }
-        bounds[t + 1] = item;
-    }
-    size_t scores_bytes = (size_t)group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        int first = 0, step = 1;  /* the runtime may grant fewer threads than asked */
-#if defined(_OPENMP)
-        first = omp_get_thread_num(), step = omp_get_num_threads();
+#else
+Attend avx512_variant(int bf16, int group, int head_dim) { (void)bf16, (void)group, (void)head_dim; return NULL; }
 #endif
-        float *scores = malloc(scores_bytes);
-        failed |= scores == NULL;
-        for (int t = first; scores != NULL && t < num_threads; t += step)
-            for (int64_t i = bounds[t]; i < bounds[t + 1]; i++)
-                attend(a, i / num_kv_heads, (int)(i % num_kv_heads), scores);
-        free(scores);
-    }
-    return failed ? NO_MEMORY : OK;
-}
-
-/* Returns OK, NO_MEMORY (out incomplete) or, with nothing written: BAD_SHAPE (heads, head_dim or
- * block_size), BAD_CONTEXT (a context < 1) or SHORT_TABLE (a context past its block table). */
-int paged_decode(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
-                 int64_t num_slots, const int32_t *block_tables, int64_t max_blocks,
-                 const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *members,
-                 int num_members, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 float scale, int bf16, int num_threads) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
-    size_t count = num_members > 0 ? (size_t)num_members : 1;
-    int64_t *query_rows = malloc(count * sizeof *query_rows);
-    int32_t *lens = malloc(count * sizeof *lens);
-    int status = NO_MEMORY;
-    if (query_rows != NULL && lens != NULL) {
-        for (int i = 0; i < num_members; i++)
-            query_rows[i] = cu_seqlens_q[members[i]], lens[i] = context_lens[members[i]];
-        Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
-                     query_rows, members, lens, num_heads, num_kv_heads, head_dim, block_size, bf16, scale};
-        status = attend_queries(&args, num_members, num_threads);
-    }
-    free(query_rows), free(lens);
-    return status;
-}
-
-/* Prefill chunks as decodes: query i (q's row query_rows[i], of the member whose block table is row
- * table_rows[i]) attends causally to its member's first context_lens[i] positions, this step's K/V
- * included (written to the cache before attention). Returns as paged_decode. */
-int paged_attend_queries(const void *q, int64_t q_token_stride, void *out, const void *k_cache,
-                         const void *v_cache, int64_t num_slots, const int32_t *block_tables,
-                         int64_t max_blocks, const int64_t *query_rows, const int64_t *table_rows,
-                         const int32_t *context_lens, int64_t num_queries, int num_heads, int num_kv_heads,
-                         int head_dim, int block_size, float scale, int bf16, int num_threads) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
-    Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
-                 query_rows, table_rows, context_lens, num_heads, num_kv_heads, head_dim, block_size,
-                 bf16, scale};
-    return attend_queries(&args, num_queries, num_threads);
-}

@@ -1,0 +1,111 @@
+/* Paged attention for the CPU, the driver: checks every read against the cache and block tables,
+ * picks the widest path compiled for (AVX512, AVX2, else portable C) and splits the step's work
+ * items, (query, KV head) pairs, into contiguous runs of about equal context, one per OpenMP
+ * thread (torch's own pool once torch is loaded: the same libgomp soname). Shapes and layouts:
+ * paged_attention.h. */
+#include <stdlib.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "paged_attention.h"
+
+#define MAX_THREADS 64
+
+enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEMORY = -4,
+              BAD_MEMBER = -5, BAD_BLOCK = -6 };
+enum Path { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+
+static enum Path path_for(int bf16, int group, int head_dim, Attend *attend) {
+    if ((*attend = avx512_variant(bf16, group, head_dim)) != NULL) return AVX512;
+    if ((*attend = avx2_variant(bf16, group, head_dim)) != NULL) return AVX2;
+    *attend = attend_portable;
+    return PORTABLE;
+}
+
+/* Which path paged_attend takes for this dtype and shape on this build: enum Path. */
+int paged_attention_path(int bf16, int group, int head_dim) {
+    Attend attend;
+    return path_for(bf16, group, head_dim, &attend);
+}
+
+/* Every block a query reads names a block of the cache: each member's table is checked once, up to
+ * the longest context any of its queries reads. On failure *where is the token (BAD_MEMBER,
+ * BAD_CONTEXT, SHORT_TABLE) or the member (BAD_BLOCK) at fault. */
+static int check_reads(const Args *a, int64_t num_tokens, int64_t num_seqs, int64_t *where) {
+    int32_t *longest = calloc(num_seqs > 0 ? (size_t)num_seqs : 1, sizeof *longest);
+    if (longest == NULL) return NO_MEMORY;
+    int status = OK;
+    for (int64_t t = 0; t < num_tokens && status == OK; t++) {
+        int32_t member = a->token_members[t], n = a->context_lens[t];
+        if (member < 0 || member >= num_seqs) status = BAD_MEMBER;
+        else if (n < 1) status = BAD_CONTEXT;
+        else if ((n - 1) / a->block_size >= a->max_blocks) status = SHORT_TABLE;
+        else if (n > longest[member]) longest[member] = n;
+        *where = t;
+    }
+    int64_t num_blocks = a->num_slots / a->block_size;
+    for (int64_t m = 0; m < num_seqs && status == OK; m++)
+        for (int64_t b = 0; b * a->block_size < longest[m]; b++) {
+            int32_t block = a->block_tables[m * a->max_blocks + b];
+            if (block < 0 || block >= num_blocks) { status = BAD_BLOCK, *where = m; break; }
+        }
+    free(longest);
+    return status;
+}
+
+/* bounds[t]..bounds[t + 1]: thread t's items, runs of about equal total context. */
+static void split_items(const Args *a, int64_t items, int num_threads, int64_t *bounds) {
+    int64_t total = 0, done = 0, item = 0;
+    for (int64_t i = 0; i < items; i++) total += a->context_lens[i / a->num_kv_heads];
+    bounds[0] = 0;
+    for (int t = 0; t < num_threads; t++) {
+        int64_t goal = total * (t + 1) / num_threads;
+        for (; item < items; item++) {
+            int n = a->context_lens[item / a->num_kv_heads];
+            if (t < num_threads - 1 && done + n / 2 >= goal) break;
+            done += n;
+        }
+        bounds[t + 1] = item;
+    }
+}
+
+/* Writes every row of out. Returns OK, NO_MEMORY (out incomplete) or, with nothing written:
+ * BAD_SHAPE (heads, head_dim or block_size), BAD_MEMBER (a token's member is not a row of
+ * block_tables), BAD_CONTEXT (a context < 1), SHORT_TABLE (a context past its block table) or
+ * BAD_BLOCK (a table names a block outside the cache), with *where the token or member at fault. */
+int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
+                 int64_t num_slots, const int32_t *block_tables, int64_t num_seqs, int64_t max_blocks,
+                 const int32_t *token_members, const int32_t *context_lens, int64_t num_tokens,
+                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int bf16,
+                 int num_threads, int64_t *where) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
+    Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
+                 token_members, context_lens, num_heads, num_kv_heads, head_dim, block_size, bf16, scale};
+    int status = check_reads(&args, num_tokens, num_seqs, where);
+    if (status != OK) return status;
+    int group = num_heads / num_kv_heads, max_context = 1;
+    for (int64_t t = 0; t < num_tokens; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
+    Attend attend;
+    path_for(bf16, group, head_dim, &attend);
+    int64_t items = num_tokens * num_kv_heads, bounds[MAX_THREADS + 1];
+    num_threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
+    if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
+    split_items(&args, items, num_threads, bounds);
+    size_t scores_bytes = (size_t)group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        int first = 0, step = 1;  /* the runtime may grant fewer threads than asked */
+#if defined(_OPENMP)
+        first = omp_get_thread_num(), step = omp_get_num_threads();
+#endif
+        float *scores = malloc(scores_bytes);
+        failed |= scores == NULL;
+        for (int t = first; scores != NULL && t < num_threads; t += step)
+            for (int64_t i = bounds[t]; i < bounds[t + 1]; i++)
+                attend(&args, i / num_kv_heads, (int)(i % num_kv_heads), scores);
+        free(scores);
+    }
+    return failed ? NO_MEMORY : OK;
+}

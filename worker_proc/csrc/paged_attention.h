@@ -1,0 +1,65 @@
+/* Shared by the paged attention driver (paged_attention.c) and its per-ISA paths (attend_*.c).
+ *
+ * Every token of the step is a query: token t (q's row t) attends to the first context_lens[t]
+ * positions of its member's block table (its causal prefix, this step's K/V already written to the
+ * cache). A decode is a member with one token; a prefill chunk's tokens see one position more each.
+ *   q             [num_tokens, num_heads, head_dim], token rows q_token_stride elements apart
+ *   out           [num_tokens, num_heads, head_dim] contiguous, q's dtype
+ *   k_cache, v_cache [num_kv_heads, num_slots, head_dim] contiguous, q's dtype (bf16 or fp32)
+ *   block_tables  int32 [num_seqs, max_blocks]; slot of position p = table[p / bs] * bs + p % bs
+ *   token_members int32 [num_tokens]: each token's row of block_tables
+ *   context_lens  int32 [num_tokens]: positions each token attends to, >= 1
+ */
+#ifndef CONVEYOR_PAGED_ATTENTION_H
+#define CONVEYOR_PAGED_ATTENTION_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16       /* positions per score tile; the scores buffer is padded to it */
+#define MAX_GROUP 16  /* vectorised paths: query heads per KV head */
+
+typedef struct {
+    const void *q; int64_t q_token_stride; void *out; const void *k_cache, *v_cache; int64_t num_slots;
+    const int32_t *block_tables; int64_t max_blocks;
+    const int32_t *token_members, *context_lens;  /* [num_tokens] each */
+    int num_heads, num_kv_heads, head_dim, block_size, bf16; float scale;
+} Args;
+
+/* One (query, KV head) work item. scores: float [group][stride] then bf16 [group][stride], stride =
+ * the query's context rounded up to TILE. */
+typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
+
+/* The vectorised path for this dtype and shape on the ISA compiled for, or NULL. */
+Attend avx512_variant(int bf16, int group, int head_dim);
+Attend avx2_variant(int bf16, int group, int head_dim);
+void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16; float f; memcpy(&f, &bits, sizeof f); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, NaN stays NaN */
+    uint32_t bits; memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u); return (uint16_t)(bits >> 16);
+}
+static inline int padded(int n) { return (n + TILE - 1) / TILE * TILE; }
+static inline const int32_t *table_of(const Args *a, int64_t query) {
+    return a->block_tables + (int64_t)a->token_members[query] * a->max_blocks;
+}
+/* Element offsets (within a head) of the rows of positions [start, start + count); positions past n
+ * repeat the last one, so every read stays inside the member's context. */
+static inline void tile_rows(const int32_t *table, int block_size, int start, int n, int head_dim,
+                             int count, int64_t *rows) {
+    if (block_size % count == 0) {  /* the tile lies inside one block */
+        int64_t first = (int64_t)table[start / block_size] * block_size + start % block_size;
+        for (int i = 0; i < count; i++) rows[i] = (first + (start + i < n ? i : n - 1 - start)) * head_dim;
+        return;
+    }
+    for (int i = 0; i < count; i++) {
+        int p = start + i < n ? start + i : n - 1;
+        rows[i] = ((int64_t)table[p / block_size] * block_size + p % block_size) * head_dim;
+    }
+}
+
+#endif
