@@ -1,0 +1,40 @@
+"""The step profiler: exclusive times add up to the step, every category of a real step is seen."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from worker_proc.tools import profile_step
+from worker_proc.tools.stopwatch import Stopwatch
+
+
+def test_nested_calls_are_timed_exclusively_so_categories_add_up() -> None:
+    watch = Stopwatch()
+    inner = watch.wrap(lambda: time.sleep(0.02), "inner")
+    outer = watch.wrap(lambda: (time.sleep(0.01), inner(), inner()), "outer")
+    started = time.perf_counter()
+    outer()
+    elapsed = time.perf_counter() - started
+    seconds = watch.take()
+    assert 0.04 <= seconds["inner"] < 0.06 and 0.01 <= seconds["outer"] < 0.02
+    assert abs(sum(seconds.values()) - elapsed) < 0.002
+    assert watch.take() == {}
+
+
+def test_a_profile_of_the_tiny_model_splits_each_step_and_sets_compute_against_its_floor(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    profile_step.main(["--model", str(tiny_model_dir), "--decode-batches", "4", "--context", "40",
+                       "--prefill", "64", "--steps", "2", "--num-threads", "1", "--no-scheduler",
+                       "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["peak"]["memory_gbps"] > 0 and report["peak"]["float32_gflops"]["qkv"] > 0
+    for name in ("prefill_64", "decode_4x40"):
+        ms = report["steps"][name]["ms"]
+        assert {"linears", "attention", "norms", "rope", "activations", "lm_head", "sampler",
+                "plan building", "layer glue", "runner glue"} <= set(ms)
+        parts = sum(v for k, v in ms.items() if k != "total")
+        assert abs(parts - ms["total"]) <= 0.1 * ms["total"]  # medians per category, so not exact
+        assert set(report["steps"][name]["floor_ms"]) == {"linears", "lm_head", "attention"}

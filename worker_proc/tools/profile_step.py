@@ -1,0 +1,208 @@
+"""Where a worker's step goes, against what this machine can do.
+
+    python -m worker_proc.tools.profile_step --model ~/.cache/conveyor/models/SmolLM2-135M-Instruct \
+        --dtype float32 --decode-batches 32,64,256 --prefill 2048 --out profile.json
+
+First the machine's peak: GFLOP/s of the model's own matmul shapes (fp32 and bf16, as the worker
+runs them: oneDNN-prepacked where oneDNN packs that dtype) and memory GB/s (a large copy). Then
+steps of the real ModelRunner (a prefill chunk, decode steps at each batch size), every call timed
+into one category by exclusive wall time (tools.stopwatch): linears, LM head, attention, norms,
+rope, activations (silu * up), embedding, layer glue (views, splits, the Python between layers),
+plan building, sampler, runner glue. Each compute category is set against its floor at the
+measured peak (the larger of FLOPs / peak FLOP/s and bytes read / GB/s). The scheduler's side of a
+step (schedule, codec, the IPC round trip, update) comes from scheduler_proc.bench_overhead at the
+same batch size, run as its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from proto.config import EngineConfig
+from worker_proc import model as model_module
+from worker_proc import runner as runner_module
+from worker_proc.batch import synthetic_plan
+from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker_proc.layers.linear import LinearBase, cpu_prepack_supported, packed_linear, prepack
+from worker_proc.layers.norm import RMSNorm
+from worker_proc.model import MLP, Attention, DecoderLayer
+from worker_proc.model_config import ModelConfig, torch_dtype
+from worker_proc.runner import ModelRunner
+from worker_proc.tools.stopwatch import Stopwatch
+
+COMPUTE = ("linears", "lm_head", "attention")
+
+
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each per-layer matmul and the LM head."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"qkv": (config.hidden_size, q + 2 * kv), "o": (q, config.hidden_size),
+            "gate_up": (config.hidden_size, 2 * config.intermediate_size),
+            "down": (config.intermediate_size, config.hidden_size),
+            "lm_head": (config.hidden_size, config.vocab_size)}
+
+
+def best_seconds(fn: object, repeats: int) -> float:
+    fn()  # warm-up: oneDNN picks and caches its kernel
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def matmul_gflops(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, rows: int) -> dict[str, float]:
+    """GFLOP/s of rows x in @ in x out per shape, the way the worker runs that dtype."""
+    packed = cpu_prepack_supported(dtype)
+    result = {}
+    for name, (in_features, out_features) in shapes.items():
+        x = torch.randn(rows, in_features).to(dtype)
+        weight = torch.randn(out_features, in_features).to(dtype)
+        run = (lambda w=prepack(weight): packed_linear(x, w, None)) if packed else (lambda: F.linear(x, weight))
+        seconds = best_seconds(run, 5)
+        result[name] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
+    return result
+
+
+def memory_gbps(megabytes: int = 512) -> float:
+    source = torch.ones(megabytes << 18)  # float32: 4 bytes each
+    target = torch.empty_like(source)
+    seconds = best_seconds(lambda: target.copy_(source), 5)
+    return round(2 * source.numel() * 4 / seconds / 1e9, 1)  # read + write
+
+
+def instrument(runner: ModelRunner, watch: Stopwatch) -> None:
+    """Every call of the step timed into its category (instance attributes, module globals)."""
+    categories = ((LinearBase, "linears"), (RMSNorm, "norms"), (MLP, "activations"),
+                  (Attention, "layer glue"), (DecoderLayer, "layer glue"))
+    for module in runner.model.modules():
+        for kind, category in categories:
+            if isinstance(module, kind):
+                module.forward = watch.wrap(module.forward, category)
+        if isinstance(module, RMSNorm):
+            module.add_forward = watch.wrap(module.add_forward, "norms")
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            module.forward = watch.wrap(module.forward, "embedding")
+    runner.attention.forward = watch.wrap(runner.attention.forward, "attention")
+    runner.model.forward = watch.wrap(runner.model.forward, "layer glue")
+    runner.model.lm_head.compute_logits = watch.wrap(runner.model.lm_head.compute_logits, "lm_head")
+    runner.model.rotary.cos_sin = watch.wrap(runner.model.rotary.cos_sin, "rope")
+    model_module.apply_rotary = watch.wrap(model_module.apply_rotary, "rope")
+    runner_module.build_step_batch = watch.wrap(runner_module.build_step_batch, "plan building")
+    runner_module.sample = watch.wrap(runner_module.sample, "sampler")
+    runner_module.sampling_batch_from_plan = watch.wrap(runner_module.sampling_batch_from_plan, "sampler")
+    runner.execute = watch.wrap(runner.execute, "runner glue")
+
+
+def floors(config: ModelConfig, contexts: np.ndarray, num_scheduled: np.ndarray, dtype_bytes: int,
+           peak_gflops: float, gbps: float) -> dict[str, float]:
+    """Seconds each compute category needs at the machine's peak, for one step."""
+    shapes = linear_shapes(config)
+    tokens, rows = int(num_scheduled.sum()), len(contexts)
+    layer_params = sum(i * o for name, (i, o) in shapes.items() if name != "lm_head")
+    head_params = config.hidden_size * config.vocab_size
+    kv_row = config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+    # A query at position p attends to p + 1 positions: sum over each member's scheduled tokens.
+    attended = sum(int(c) * n - n * (n - 1) // 2 for c, n in zip(contexts, num_scheduled))
+    attention_flops = config.num_layers * 4 * config.num_heads * config.head_dim * attended
+
+    def floor(flops: float, nbytes: float) -> float:
+        return max(flops / (peak_gflops * 1e9), nbytes / (gbps * 1e9))
+
+    return {"linears": floor(2 * tokens * layer_params * config.num_layers,
+                             layer_params * config.num_layers * dtype_bytes),
+            "lm_head": floor(2 * rows * head_params, head_params * dtype_bytes),
+            "attention": floor(attention_flops, int(contexts.sum()) * kv_row)}
+
+
+def profile(runner: ModelRunner, watch: Stopwatch, contexts: np.ndarray, num_scheduled: np.ndarray,
+            steps: int, max_blocks: int) -> dict[str, float]:
+    """Median milliseconds per category over `steps` runs of one plan."""
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, runner.model.config.vocab_size, int(num_scheduled.sum()))
+    plan = synthetic_plan(1, contexts, num_scheduled, input_ids, max_blocks)
+    runner.execute(plan)
+    watch.take()
+    per_step = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        runner.execute(plan)
+        total = time.perf_counter() - started
+        per_step.append({**watch.take(), "total": total})
+    names = sorted({name for step in per_step for name in step})
+    return {name: round(statistics.median(s.get(name, 0.0) for s in per_step) * 1e3, 3) for name in names}
+
+
+def scheduler_side(num_seqs: int) -> dict[str, float]:
+    """Per-step scheduler + IPC milliseconds from scheduler_proc.bench_overhead (its own process)."""
+    done = subprocess.run([sys.executable, "-m", "scheduler_proc.bench_overhead", "--num-seqs", str(num_seqs),
+                           "--steps", "40"], capture_output=True, text=True, check=False, timeout=600)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip()[-300:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker_proc.tools.profile_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    parser.add_argument("--decode-batches", default="32,64,256")
+    parser.add_argument("--context", type=int, default=256, help="tokens of context of each decode")
+    parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill chunk (0 = none)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--num-threads", type=int, default=0, help="default: the worker's own choice")
+    parser.add_argument("--no-scheduler", action="store_true", help="skip scheduler_proc.bench_overhead")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    block_size = 16
+    max_blocks = -(-max(args.context + 1, args.prefill) // block_size)
+    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=block_size, num_threads=args.num_threads,
+                          num_kv_blocks=max([*batches, 1]) * max_blocks, max_num_batched_tokens=max(args.prefill, 1))
+    runner = ModelRunner(config, rank=0, show_progress=False)
+    model = runner.model.config
+    shapes = linear_shapes(model)
+    peak = {"threads": torch.get_num_threads(), "memory_gbps": memory_gbps(),
+            "float32_gflops": matmul_gflops(shapes, torch.float32, 1024),
+            "bfloat16_gflops": matmul_gflops(shapes, torch.bfloat16, 1024)}
+    peak_gflops = max(peak[f"{args.dtype}_gflops"].values())
+    watch = Stopwatch()
+    instrument(runner, watch)
+    scenarios = [(f"decode_{b}x{args.context}", np.full(b, args.context + 1), np.ones(b, np.int64), b)
+                 for b in batches]
+    if args.prefill:
+        scenarios.insert(0, (f"prefill_{args.prefill}", np.array([args.prefill]), np.array([args.prefill]), 0))
+    steps = {}
+    for name, contexts, num_scheduled, num_seqs in scenarios:
+        measured = profile(runner, watch, contexts, num_scheduled, args.steps, max_blocks)
+        floor = floors(model, contexts, num_scheduled, torch_dtype(args.dtype).itemsize, peak_gflops,
+                       peak["memory_gbps"])
+        steps[name] = {"ms": measured, "floor_ms": {k: round(v * 1e3, 3) for k, v in floor.items()},
+                       "share_of_floor": {k: round(floor[k] * 1e3 / measured[k], 3) for k in COMPUTE
+                                          if measured.get(k)}}
+        if num_seqs and not args.no_scheduler:
+            steps[name]["scheduler_and_ipc"] = scheduler_side(num_seqs)
+        print(f"{name}: {json.dumps(steps[name]['ms'])}", file=sys.stderr)
+    report = {"model": args.model, "dtype": args.dtype, "torch": torch.__version__,
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "peak": peak, "steps": steps}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
