@@ -36,6 +36,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_waiting: int = 1024
+    max_waiting_tokens: int = 1 << 20  # prompt tokens the waiting queue may hold (the scheduler enforces it)
+    max_request_body_bytes: int = 16 << 20  # HTTP request bodies beyond this get 413
     scheduling: str = "continuous"
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = off; a prompt longer than this gets at most this many tokens per step
@@ -76,7 +78,8 @@ class EngineConfig:
             raise ValidationError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                                   f"{self.attention_backend!r}", "attention_backend")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting",
-                    "tensor_parallel_size", "kv_cache_memory_bytes", "max_num_partial_prefills")
+                    "max_waiting_tokens", "max_request_body_bytes", "tensor_parallel_size",
+                    "kv_cache_memory_bytes", "max_num_partial_prefills")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValidationError(f"{name} must be >= 1, got {getattr(self, name)}", name)

@@ -19,9 +19,10 @@ from proto.sampling import SamplingParams
 FINISH_REASONS = ("", "stop", "length", "abort", "error")
 
 # Why an "error" finish happened, when the frontend must tell it apart (StepOutputs.error_codes):
-# QUEUE_FULL is a rejection that may succeed later (HTTP 429), NONE every other error.
-ERROR_NONE, ERROR_QUEUE_FULL = range(2)
-ERROR_CODES = ("", "queue_full")
+# QUEUE_FULL (max_num_waiting) and WAITING_TOKENS_FULL (max_waiting_tokens) are rejections that
+# may succeed later (HTTP 429), NONE every other error.
+ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL = range(3)
+ERROR_CODES = ("", "queue_full", "waiting_tokens_full")
 
 ALL_CHOICES = -1  # an AbortRequest.choice_indices entry: every choice of the request
 
@@ -216,6 +217,7 @@ class StepOutputs:
     lp_top_logprobs: np.ndarray = field(default_factory=_f32)
     engine_stopping: bool = False  # the scheduler is exiting: these are its last outputs, not a sign of life
     error_codes: np.ndarray = field(default_factory=_u8)  # uint8 [num_outputs] ERROR_* values; empty = none
+    num_waiting_tokens: int = 0  # tokens the waiting sequences must compute (bounded by max_waiting_tokens)
 
     ARRAY_DTYPES = {"cu_new_tokens": np.int32, "new_token_ids": np.int32, "choice_indices": np.int32,
                     "num_cached_tokens": np.int32, "error_codes": np.uint8, "event_choice_indices": np.int32,

@@ -10,6 +10,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,7 @@ class SamplingParams:
         _check_type("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
             raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check_type("top_k", self.top_k, int)
-        if self.top_k < -1:
-            raise ValidationError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}", "top_k")
+        _check_top_k(self.top_k, vocab_size)
         _check_type("min_p", self.min_p, float)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_type("repetition_penalty", self.repetition_penalty, float)
@@ -138,6 +137,15 @@ def _check_range(name: str, value: float, low: float | None, high: float | None)
         raise ValidationError(f"{name} must be >= {low}, got {value}", name)
     if high is not None and value > high:
         raise ValidationError(f"{name} must be <= {high}, got {value}", name)
+
+
+def _check_top_k(top_k: object, vocab_size: int | None) -> None:
+    """-1 or 0 turn it off; above that at most the vocabulary (the plan carries it as int32)."""
+    _check_type("top_k", top_k, int)
+    limit, what = (vocab_size, "the vocabulary size") if vocab_size else (MAX_INT32, "int32")
+    if not -1 <= top_k <= limit:
+        raise ValidationError(f"top_k must be -1 or 0 (disabled) or in [1, {limit}] ({what}), "
+                              f"got {top_k}", "top_k")
 
 
 def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None:

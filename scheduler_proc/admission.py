@@ -4,23 +4,30 @@ from __future__ import annotations
 
 from proto.config import EngineConfig
 from proto.errors import ValidationError
-from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, AddRequest
+from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL, AddRequest
 from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.request import max_num_kv_tokens
 
 
 def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int,
-                     num_waiting: int) -> tuple[str, int]:
+                     num_waiting: int, num_waiting_tokens: int) -> tuple[str, int]:
     """("", ERROR_NONE) if the request may queue; otherwise the error message it finishes with and
-    its ERROR_* code: ERROR_QUEUE_FULL for a full waiting queue (it may succeed later, the
-    frontend answers 429), ERROR_NONE for a request that can never run.
+    its ERROR_* code: ERROR_QUEUE_FULL / ERROR_WAITING_TOKENS_FULL for a queue full by count or
+    by prompt tokens (it may succeed later, the frontend answers 429), ERROR_NONE for a request
+    that can never run.
 
     Rejecting here, rather than letting it wait, is what keeps an impossible request from
-    waiting forever: such a request would never fit, however long the others take.
+    waiting forever: such a request would never fit, however long the others take. An empty
+    queue takes any prompt that can run, so no prompt is refused by the token bound forever.
     """
     if num_waiting >= config.max_num_waiting:
         return (f"the waiting queue is full: {num_waiting} requests are waiting and "
                 f"max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
+    num_prompt = len(message.prompt_token_ids)
+    if num_waiting and num_waiting_tokens + num_prompt > config.max_waiting_tokens:
+        return (f"the waiting queue is full: {num_waiting_tokens} prompt tokens are waiting, this "
+                f"request adds {num_prompt} and max_waiting_tokens is {config.max_waiting_tokens}"
+                ), ERROR_WAITING_TOKENS_FULL
     return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
 
 

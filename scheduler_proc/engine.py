@@ -87,7 +87,8 @@ class SchedulerEngine:
         """Queue a new request's choices, or finish each at once with "error" if it can never run."""
         request_id, params, now = message.request_id, message.sampling_params, time.time()
         reason, error_code = rejection_reason(message, self.config, self.block_manager.num_blocks,
-                                              len(self.queues.waiting) + self.queues.num_held)
+                                              len(self.queues.waiting) + self.queues.num_held,
+                                              self.queues.num_waiting_tokens)
         duplicate = request_id in self._requests
         if duplicate:
             logger.warning("duplicate request id %r rejected", request_id)
@@ -190,6 +191,7 @@ class SchedulerEngine:
         block_manager = self.block_manager
         return SchedulerStats(num_running=len(self.queues.running),
                               num_waiting=len(self.queues.waiting) + self.queues.num_held,
+                              num_waiting_tokens=self.queues.num_waiting_tokens,
                               kv_cache_usage=block_manager.usage,
                               num_preemptions_total=self.queues.num_preemptions_total,
                               num_padded_slot_steps_total=self.policy.num_padded_seat_steps_total,
@@ -275,7 +277,7 @@ class SchedulerEngine:
         elif status is RequestStatus.HELD:  # only an abort of this one choice ends a held sibling
             self.queues.drop_held(request)
         else:
-            self.queues.waiting.remove(request)
+            self.queues.remove_waiting(request)
         if request.held_siblings:
             self.queues.release_held(request)
         self.constants.release(request)

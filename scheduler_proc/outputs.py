@@ -20,6 +20,7 @@ HEARTBEAT_STEP_ID = -1  # step_id of StepOutputs that belong to no step (heartbe
 class SchedulerStats:
     num_running: int  # sequences (choices) holding a seat
     num_waiting: int  # sequences waiting, held siblings included
+    num_waiting_tokens: int  # tokens the waiting sequences must compute (held siblings not included)
     kv_cache_usage: float  # fraction of KV blocks held by sequences, 0..1
     num_preemptions_total: int
     num_padded_slot_steps_total: int  # static policy: seat-steps held by finished requests
@@ -127,6 +128,7 @@ class OutputBuffer:
             error_messages=error_messages,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
+            num_waiting_tokens=stats.num_waiting_tokens,
             kv_cache_usage=stats.kv_cache_usage,
             num_preemptions_total=stats.num_preemptions_total,
             step_duration_s=step_duration_s,

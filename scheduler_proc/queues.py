@@ -11,12 +11,16 @@ from scheduler_proc.request import Request, RequestStatus
 class RequestQueues:
     """Waiting sequences in FCFS order (preempted ones and released siblings re-enter at the head)
     and running sequences in admission order (so the last one is the most recently admitted: the
-    preemption victim). Held siblings are in neither; their choice 0 lists them."""
+    preemption victim). Held siblings are in neither; their choice 0 lists them.
+
+    `num_waiting_tokens` is the sum of `num_tokens` over `waiting` (what those sequences must
+    compute before their next token; a waiting sequence holds no progress), kept as each one moves."""
 
     def __init__(self) -> None:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_held = 0
+        self.num_waiting_tokens = 0
         self.num_preemptions_total = 0
         self.preempted: list[Request] = []  # victims not yet reported (the engine drains this)
         self._num_admissions = 0
@@ -24,11 +28,13 @@ class RequestQueues:
     def add(self, choices: list[Request]) -> None:
         """Queue choice 0; its siblings (if any) are held."""
         self.waiting.append(choices[0])
+        self.num_waiting_tokens += choices[0].num_tokens
         self.num_held += len(choices) - 1
 
     def admit(self, index: int) -> Request:
         request = self.waiting[index]
         del self.waiting[index]
+        self.num_waiting_tokens -= request.num_tokens
         request.status = RequestStatus.RUNNING
         request.admission_order = self._num_admissions
         self._num_admissions += 1
@@ -42,6 +48,7 @@ class RequestQueues:
         block_manager.free(victim)
         victim.preempt()
         self.waiting.appendleft(victim)
+        self.num_waiting_tokens += victim.num_tokens
         self.num_preemptions_total += 1
         self.preempted.append(victim)
         return victim
@@ -52,7 +59,13 @@ class RequestQueues:
         for sibling in reversed(siblings):
             sibling.status = RequestStatus.WAITING
             self.waiting.appendleft(sibling)
+            self.num_waiting_tokens += sibling.num_tokens
         self.num_held -= len(siblings)
+
+    def remove_waiting(self, request: Request) -> None:
+        """Take a waiting sequence out of the queue (it finished before it was admitted)."""
+        self.waiting.remove(request)
+        self.num_waiting_tokens -= request.num_tokens
 
     def drop_held(self, sibling: Request) -> None:
         """Forget a held sibling that finished (aborted alone) before its choice 0 released it."""
@@ -67,5 +80,7 @@ class RequestQueues:
         orders = [r.admission_order for r in self.running]
         assert orders == sorted(orders), "running set is not in admission order"
         assert len(self.running) <= max_num_seqs, f"{len(self.running)} running > {max_num_seqs} seats"
+        assert self.num_waiting_tokens == sum(r.num_tokens for r in self.waiting), (
+            f"num_waiting_tokens {self.num_waiting_tokens} differs from the waiting queue's")
         keys = [r.key for r in self.waiting] + [r.key for r in self.running]
         assert len(keys) == len(set(keys)), "a sequence is queued twice"
