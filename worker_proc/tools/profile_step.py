@@ -145,12 +145,12 @@ def profile(runner: ModelRunner, watch: Stopwatch, contexts: np.ndarray, num_sch
 
 
 def scheduler_side(num_seqs: int) -> dict[str, float]:
-    """Per-step scheduler + IPC milliseconds from scheduler_proc.bench_overhead (its own process)."""
+    """Median per-step scheduler + IPC milliseconds by phase, from scheduler_proc.bench_overhead."""
     done = subprocess.run([sys.executable, "-m", "scheduler_proc.bench_overhead", "--num-seqs", str(num_seqs),
                            "--steps", "40"], capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-300:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {phase: times["p50_ms"] for phase, times in json.loads(done.stdout)["per_step"].items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     block_size = 16
-    max_blocks = -(-max(args.context + 1, args.prefill) // block_size)
+    decode_blocks, prefill_blocks = (-(-n // block_size) for n in (args.context + 1, args.prefill))
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=block_size, num_threads=args.num_threads,
-                          num_kv_blocks=max([*batches, 1]) * max_blocks, max_num_batched_tokens=max(args.prefill, 1))
+                          num_kv_blocks=max(max([*batches, 0]) * decode_blocks, prefill_blocks, 1),
+                          max_num_batched_tokens=max(args.prefill, 1))
     runner = ModelRunner(config, rank=0, show_progress=False)
     model = runner.model.config
     shapes = linear_shapes(model)
@@ -180,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     peak_gflops = max(peak[f"{args.dtype}_gflops"].values())
     watch = Stopwatch()
     instrument(runner, watch)
-    scenarios = [(f"decode_{b}x{args.context}", np.full(b, args.context + 1), np.ones(b, np.int64), b)
-                 for b in batches]
+    # (name, contexts, num_scheduled, blocks per member, running requests)
+    scenarios = [(f"decode_{b}x{args.context}", np.full(b, args.context + 1), np.ones(b, np.int64),
+                  decode_blocks, b) for b in batches]
     if args.prefill:
-        scenarios.insert(0, (f"prefill_{args.prefill}", np.array([args.prefill]), np.array([args.prefill]), 0))
+        scenarios.insert(0, (f"prefill_{args.prefill}", np.array([args.prefill]), np.array([args.prefill]),
+                             prefill_blocks, 0))
     steps = {}
-    for name, contexts, num_scheduled, num_seqs in scenarios:
+    for name, contexts, num_scheduled, max_blocks, num_seqs in scenarios:
         measured = profile(runner, watch, contexts, num_scheduled, args.steps, max_blocks)
         floor = floors(model, contexts, num_scheduled, torch_dtype(args.dtype).itemsize, peak_gflops,
                        peak["memory_gbps"])
