@@ -63,6 +63,7 @@ class Stack:
         self._context: zmq.Context | None = None
         self._control: zmq.Socket | None = None
         self._owns_runtime_dir = not config.runtime_dir
+        self.num_protocol_errors = 0  # malformed control frames
         self.failure = ""  # why the stack is stopping, when a process died or reported failure
 
     @property
@@ -91,7 +92,8 @@ class Stack:
         if self._owns_runtime_dir:
             self.config = self.config.with_updates(runtime_dir=sockets.make_runtime_dir())
         self._context = zmq.Context()
-        self._control = sockets.bind(self._context, zmq.PULL, self.config.runtime_dir, sockets.CONTROL)
+        self._control = sockets.bind(self._context, zmq.PULL, self.config.runtime_dir, sockets.CONTROL,
+                                     sockets.max_frame_bytes(self.config))
         self.children = self._plan_children(gpus)
         for child in self.children:
             self._spawn(child)
@@ -130,11 +132,7 @@ class Stack:
             if frame is None:
                 self._raise_if_any_exited(pending)
                 continue
-            try:
-                message = codec.decode(frame)
-            except ProtocolError as exc:
-                log.warning("ignoring a malformed control frame: %s", exc)
-                continue
+            message = self.decode_control(frame)
             if isinstance(message, ProcessFailed):
                 raise StartupError(f"{message.name} failed to start: {message.message}")
             if isinstance(message, ProcessReady):
@@ -175,14 +173,17 @@ class Stack:
     def _reported_failure(self, wait_s: float) -> str:
         """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''."""
         frame = sockets.recv_ready(self._control, wait_s)
-        if frame is None:
-            return ""
-        try:
-            message = codec.decode(frame)
-        except ProtocolError as exc:
-            log.warning("ignoring a malformed control frame: %s", exc)
-            return ""
+        message = None if frame is None else self.decode_control(frame)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
+
+    def decode_control(self, frame: bytes) -> ProcessReady | ProcessFailed | None:
+        """A control frame's message; a malformed one (or another channel's) is logged, counted, None."""
+        try:
+            return codec.decode(frame, sockets.CONTROL_MESSAGES)
+        except ProtocolError as exc:
+            self.num_protocol_errors += 1
+            log.warning("ignoring a malformed control frame (%d so far): %s", self.num_protocol_errors, exc)
+            return None
 
     def stop(self) -> None:
         """Frontend first: on SIGTERM its /health turns 503 and it drains in-flight requests; then

@@ -14,6 +14,7 @@ from frontend.engine_client import ALIVE_TIMEOUT_S, ZmqEngineClient
 from frontend.server import (UVICORN_GRACE_S, DrainingServer, SupervisorLink, bind_listen_socket,
                              exit_with_parent)
 from frontend.tokenizer import Tokenizer
+from proto import sockets
 from proto.config import EngineConfig
 
 logger = logging.getLogger("frontend")
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(config: EngineConfig, link: SupervisorLink) -> int:
     try:
         tokenizer = Tokenizer.from_dir(config.model)
-        engine = ZmqEngineClient(config.runtime_dir,
-                                 dead_after_s=config.step_timeout_s + ALIVE_TIMEOUT_S)
+        engine = ZmqEngineClient(config.runtime_dir, dead_after_s=config.step_timeout_s + ALIVE_TIMEOUT_S,
+                                 max_frame_bytes=sockets.max_frame_bytes(config))
         app = create_app(config, engine, tokenizer)
         listen_socket = bind_listen_socket(config.host, config.port)
     except (OSError, ValueError) as exc:

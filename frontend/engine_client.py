@@ -15,7 +15,7 @@ import zmq.asyncio
 from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
 from proto import codec, sockets
 from proto.errors import ProtocolError
-from proto.messages import AbortRequest, AddRequest, StepOutputs
+from proto.messages import AbortRequest, AddRequest
 from proto.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,11 @@ class ZmqEngineClient:
     """
 
     def __init__(self, runtime_dir: str, alive_timeout_s: float = ALIVE_TIMEOUT_S,
-                 dead_after_s: float = 120.0 + ALIVE_TIMEOUT_S) -> None:
-        """`dead_after_s` must exceed the longest legitimate step (EngineConfig.step_timeout_s)."""
+                 dead_after_s: float = 120.0 + ALIVE_TIMEOUT_S, max_frame_bytes: int = -1) -> None:
+        """`dead_after_s` must exceed the longest legitimate step (EngineConfig.step_timeout_s);
+        `max_frame_bytes` (proto.sockets.max_frame_bytes) caps an OUTPUTS frame, -1 = no cap."""
         self._runtime_dir = runtime_dir
+        self._max_frame_bytes = max_frame_bytes
         self._alive_timeout_s = alive_timeout_s
         self._dead_after_s = dead_after_s
         self._router = OutputRouter()
@@ -83,7 +85,8 @@ class ZmqEngineClient:
     async def start(self) -> None:
         self._context = zmq.Context()
         self._requests = sockets.connect(self._context, zmq.PUSH, self._runtime_dir, sockets.REQUESTS)
-        outputs = sockets.connect(self._context, zmq.PULL, self._runtime_dir, sockets.OUTPUTS)
+        outputs = sockets.connect(self._context, zmq.PULL, self._runtime_dir, sockets.OUTPUTS,
+                                  self._max_frame_bytes)
         self._outputs = zmq.asyncio.Socket.from_socket(outputs)
         self._started_s = time.monotonic()
         self._receiver = asyncio.create_task(self._receive_loop(), name="engine-outputs")
@@ -150,9 +153,7 @@ class ZmqEngineClient:
     def handle_frame(self, frame: bytes) -> None:
         """Decode and route one OUTPUTS frame; a bad frame is logged and counted, never fatal."""
         try:
-            message = codec.decode(frame)
-            if not isinstance(message, StepOutputs):
-                raise ProtocolError(f"expected StepOutputs on OUTPUTS, got {type(message).__name__}")
+            message = codec.decode(frame, sockets.OUTPUT_MESSAGES)
         except ProtocolError as exc:
             self.num_protocol_errors += 1
             logger.error("dropping a malformed scheduler frame (%d so far): %s",

@@ -39,7 +39,10 @@ def encode(message: object) -> bytes:
     return msgpack.packb(values, use_bin_type=True)
 
 
-def decode(frame: bytes) -> object:
+def decode(frame: bytes, expected: tuple[type, ...] = messages.MESSAGE_TYPES) -> object:
+    """The message in `frame`, which must be one of `expected` (the reading channel's types).
+    Anything else raises ProtocolError, and only that. msgpack bounds every length prefix by the
+    frame's size, so a forged one allocates nothing."""
     try:
         values = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
@@ -48,8 +51,11 @@ def decode(frame: bytes) -> object:
         raise ProtocolError("frame must be a non-empty array [tag, fields...]")
     tag = values[0]
     if not isinstance(tag, int) or isinstance(tag, bool) or tag not in _CLASS_OF:
-        raise ProtocolError(f"unknown message tag {tag!r}")
+        raise ProtocolError(f"unknown message tag {tag!r:.40}")
     cls = _CLASS_OF[tag]
+    if cls not in expected:
+        raise ProtocolError(f"{cls.__name__} does not belong on this channel "
+                            f"(expected {' or '.join(c.__name__ for c in expected)})")
     fields = _FIELDS[cls]
     if len(values) - 1 != len(fields):
         raise ProtocolError(f"{cls.__name__} needs {len(fields)} fields, got {len(values) - 1}")

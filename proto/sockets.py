@@ -10,11 +10,22 @@ import zmq
 
 from proto import codec
 from proto.config import EngineConfig
+from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
+                            StepPlan, StepResult, WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)
 RESULTS = "results"  # workers -> scheduler (PUSH/PULL)
 CONTROL = "control"  # children -> supervisor (PUSH/PULL)
+
+# What a reader accepts on each channel (codec.decode's `expected`); anything else is a protocol error.
+REQUEST_MESSAGES = (AddRequest, AbortRequest)
+OUTPUT_MESSAGES = (StepOutputs,)
+RESULT_MESSAGES = (WorkerReady, StepResult)
+PLAN_MESSAGES = (StepPlan,)
+CONTROL_MESSAGES = (ProcessReady, ProcessFailed)
+
+MIN_MAX_FRAME_BYTES = 64 << 20
 
 
 def plan_channel(rank: int) -> str:
@@ -57,6 +68,16 @@ def _is_ip_literal(host: str) -> bool:
     return True
 
 
+def max_frame_bytes(config: EngineConfig) -> int:
+    """ZMQ_MAXMSGSIZE of every reading socket: a peer whose frame claims more is disconnected
+    before anything is allocated for it. Far above any real frame (a plan carries at most
+    max_model_len history tokens and block ids per member and a few hundred bytes per scheduled
+    token in logprobs), far below what a forged length prefix could ask for."""
+    per_member_bytes = 16 * config.max_model_len
+    return (MIN_MAX_FRAME_BYTES + config.max_num_seqs * per_member_bytes
+            + 1024 * config.max_num_batched_tokens)
+
+
 def make_runtime_dir() -> str:
     """A fresh private (0700) directory for ipc:// socket files."""
     path = tempfile.mkdtemp(prefix="conveyor-")
@@ -70,32 +91,44 @@ def address(runtime_dir: str, channel: str) -> str:
     return f"ipc://{os.path.join(runtime_dir, channel)}.sock"
 
 
-def bind(context: zmq.Context, kind: int, runtime_dir: str, channel: str) -> zmq.Socket:
-    return _open(context, kind, address(runtime_dir, channel), for_bind=True)
+def bind(context: zmq.Context, kind: int, runtime_dir: str, channel: str,
+         max_frame_bytes: int = -1) -> zmq.Socket:
+    """max_frame_bytes (readers: max_frame_bytes(config)) caps inbound frames; -1 = no cap."""
+    sock = _new_socket(context, kind, max_frame_bytes)
+    sock.bind(address(runtime_dir, channel))
+    return sock
 
 
-def connect(context: zmq.Context, kind: int, runtime_dir: str, channel: str) -> zmq.Socket:
-    return _open(context, kind, address(runtime_dir, channel), for_bind=False)
+def connect(context: zmq.Context, kind: int, runtime_dir: str, channel: str,
+            max_frame_bytes: int = -1) -> zmq.Socket:
+    sock = _new_socket(context, kind, max_frame_bytes)
+    sock.connect(address(runtime_dir, channel))
+    return sock
 
 
-def bind_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str) -> zmq.Socket:
+def bind_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str,
+                 max_frame_bytes: int = -1) -> zmq.Socket:
     """Like bind, but a step channel goes over TCP when the ranks span nodes."""
-    return _open(context, kind, channel_address(config, channel, for_bind=True), for_bind=True)
+    endpoint = channel_address(config, channel, for_bind=True)
+    sock = _new_socket(context, kind, max_frame_bytes, endpoint)
+    sock.bind(endpoint)
+    return sock
 
 
-def connect_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str) -> zmq.Socket:
-    return _open(context, kind, channel_address(config, channel, for_bind=False), for_bind=False)
+def connect_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str,
+                    max_frame_bytes: int = -1) -> zmq.Socket:
+    endpoint = channel_address(config, channel, for_bind=False)
+    sock = _new_socket(context, kind, max_frame_bytes, endpoint)
+    sock.connect(endpoint)
+    return sock
 
 
-def _open(context: zmq.Context, kind: int, endpoint: str, for_bind: bool) -> zmq.Socket:
+def _new_socket(context: zmq.Context, kind: int, max_frame_bytes: int, endpoint: str = "") -> zmq.Socket:
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if endpoint.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
-    if for_bind:
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
     return sock
 
 

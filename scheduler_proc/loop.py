@@ -76,15 +76,16 @@ class SchedulerLoop:
             self._close()
 
     def _open_sockets(self) -> None:
-        ctx, run_dir = self._context, self.config.runtime_dir
+        ctx, run_dir, config = self._context, self.config.runtime_dir, self.config
+        max_frame_bytes = sockets.max_frame_bytes(config)
         self._control = self._track(sockets.connect(ctx, zmq.PUSH, run_dir, sockets.CONTROL))
-        self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS))
+        self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS, max_frame_bytes))
         self._outputs = self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.OUTPUTS))
         # Step channels are tcp:// on the master address when the worker ranks span nodes.
-        self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, self.config,
-                                                        sockets.plan_channel(rank)))
-                       for rank in range(self.config.tensor_parallel_size)]
-        self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, self.config, sockets.RESULTS))
+        self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, config, sockets.plan_channel(rank)))
+                       for rank in range(config.tensor_parallel_size)]
+        self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, config, sockets.RESULTS,
+                                                         max_frame_bytes=max_frame_bytes))
 
     def _track(self, sock: zmq.Socket) -> zmq.Socket:
         self._sockets.append(sock)
@@ -129,7 +130,8 @@ class SchedulerLoop:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 break
-            message = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)))
+            message = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)),
+                                   sockets.RESULT_MESSAGES)
             if isinstance(message, WorkerReady) and 0 <= message.rank < num_ranks:
                 logger.info("worker rank %d (pid %d) ready with %d KV blocks", message.rank,
                             message.pid, message.num_kv_blocks)
@@ -171,13 +173,11 @@ class SchedulerLoop:
                 frame = self._requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = self._decode(frame)
+            message = self._decode(frame, sockets.REQUEST_MESSAGES)
             if isinstance(message, AddRequest):
                 self.engine.add(message)
             elif isinstance(message, AbortRequest):
                 self.engine.abort(message.request_ids, message.choice_indices.tolist())
-            elif message is not None:
-                self._count_bad(f"unexpected {type(message).__name__} on the requests channel")
 
     def _idle_wait(self) -> None:
         """Block on the requests socket (no busy waiting); heartbeat about once a second."""
@@ -222,7 +222,7 @@ class SchedulerLoop:
                 break
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
                 continue
-            message = self._decode(self._results.recv())
+            message = self._decode(self._results.recv(), sockets.RESULT_MESSAGES)
             if (isinstance(message, StepResult) and message.step_id == step_id
                     and message.rank < num_ranks):
                 answers[message.rank] = message
@@ -262,11 +262,11 @@ class SchedulerLoop:
                     return False
                 sock.poll(int(min(remaining_s, POLL_SLICE_S) * 1000), zmq.POLLOUT)
 
-    def _decode(self, frame: bytes | None) -> object | None:
+    def _decode(self, frame: bytes | None, expected: tuple[type, ...]) -> object | None:
         if frame is None:
             return None
         try:
-            return codec.decode(frame)
+            return codec.decode(frame, expected)
         except ProtocolError as exc:
             self._count_bad(f"dropped a malformed frame: {exc}")
             return None

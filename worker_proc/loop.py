@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -26,6 +27,14 @@ FAREWELL_LINGER_MS = 2000  # let ProcessFailed reach the supervisor before the p
 _PR_SET_PDEATHSIG = 1
 
 
+@dataclass
+class FrameCounters:
+    """What serve() has read: plans executed and frames dropped as protocol errors."""
+
+    num_steps: int = 0
+    num_protocol_errors: int = 0
+
+
 def run_worker(config: EngineConfig, rank: int) -> int:
     """Returns the process exit code: 0 after a clean stop, 1 when start-up failed."""
     parent_pid = os.getppid()
@@ -34,7 +43,8 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     name = f"worker{rank}"
     context = zmq.Context()
     # The step channels are tcp:// to node 0 when the ranks span nodes; control stays on this node.
-    plans = sockets.connect_channel(context, zmq.PULL, config, sockets.plan_channel(rank))
+    plans = sockets.connect_channel(context, zmq.PULL, config, sockets.plan_channel(rank),
+                                    sockets.max_frame_bytes(config))
     results = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
     control = sockets.connect(context, zmq.PUSH, config.runtime_dir, sockets.CONTROL)
     control.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
@@ -59,10 +69,11 @@ def run_worker(config: EngineConfig, rank: int) -> int:
 
 
 def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq.Socket,
-          stop: threading.Event, parent_pid: int) -> None:
+          stop: threading.Event, parent_pid: int, counters: FrameCounters | None = None) -> None:
     """Execute plans until SIGTERM or the parent dies; bad frames and failed steps never end it.
-    Every rank answers every step: rank 0 with the tokens, the others with an acknowledgement."""
-    num_protocol_errors = 0
+    Every rank answers every step: rank 0 with the tokens, the others with an acknowledgement.
+    A frame that is not a StepPlan is counted in `counters` and gets no answer."""
+    counters = counters if counters is not None else FrameCounters()
     while not stop.is_set():
         frame = sockets.recv_ready(plans, POLL_TIMEOUT_S)
         if frame is None:
@@ -71,14 +82,14 @@ def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq
                 return
             continue
         try:
-            plan = codec.decode(frame)
-            if not isinstance(plan, StepPlan):
-                raise ProtocolError(f"expected a StepPlan, got {type(plan).__name__}")
+            plan = codec.decode(frame, sockets.PLAN_MESSAGES)
         except ProtocolError as exc:
-            num_protocol_errors += 1
-            log.error("dropped a bad frame (%d so far): %s", num_protocol_errors, exc)
+            counters.num_protocol_errors += 1
+            log.error("dropped a bad frame (%d so far): %s", counters.num_protocol_errors, exc)
             continue
-        sockets.send(results, execute_step(runner, plan))
+        result = execute_step(runner, plan)
+        counters.num_steps += 1
+        sockets.send(results, result)
 
 
 def execute_step(runner: ModelRunner | NullModelRunner, plan: StepPlan) -> StepResult:
