@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from deploy.model_info import read_model_info
 from proto.config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def process_alive(pid: int) -> bool:
@@ -67,6 +71,31 @@ def hf_greedy_texts(model_dir: Path, prompts: list[str], max_new_tokens: int) ->
                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
             texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     return texts
+
+
+def hf_greedy_logprobs(model_dir: Path, prompt_ids: list[int],
+                       num_new: int) -> tuple[list[int], torch.Tensor]:
+    """greedy_logprobs of the HF checkpoint in `model_dir`, in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return greedy_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+                           prompt_ids, num_new)
+
+
+def greedy_logprobs(model: torch.nn.Module, prompt_ids: list[int],
+                    num_new: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy token ids an HF model generates after `prompt_ids` (EOS does not stop them) and
+    float32 [num_prompt + num_new - 1, vocab] log_softmax of its logits (row t predicts token t + 1)."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(num_new):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].float(), dim=-1)
+    return ids[len(prompt_ids):], logprobs
 
 
 def sse_events(lines: list[str]) -> list[dict | str]:

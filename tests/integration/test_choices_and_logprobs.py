@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from support import metric_value, sse_events
+from support import hf_greedy_logprobs, metric_value, sse_events
 
 from deploy.launcher import Stack
 from frontend.tokenizer import Tokenizer
 
-PROMPT_IDS = [11, 87, 203, 45, 310, 77, 5, 129, 64, 402, 18, 255]
+if TYPE_CHECKING:
+    import torch
+
+PROMPT_IDS = [(37 * i + 11) % 440 + 5 for i in range(40)]  # 2 full KV blocks of 16 and a partial one
 NUM_NEW = 6
 TOP_K = 3
 
@@ -20,22 +24,6 @@ def post(stack: Stack, path: str, body: dict) -> dict:
     response = httpx.post(f"{stack.url}{path}", json={"model": "tiny", **body}, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def hf_greedy_logprobs(model_dir: Path, prompt_ids: list[int], num_new: int) -> tuple[list[int], list]:
-    """Greedy token ids after `prompt_ids` and log_softmax of HF's fp32 logits at every position
-    (row t predicts token t + 1), without stopping at EOS."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(torch.argmax(logits)))
-        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].float(), dim=-1)
-    return ids[len(prompt_ids):], logprobs
 
 
 def test_greedy_choices_are_identical(stack: Stack) -> None:
@@ -106,34 +94,53 @@ def test_a_choice_stopped_early_by_a_stop_string_stops_computing_while_its_sibli
     assert metric_value(stack.url, "conveyor:kv_cache_usage_perc") == 0
 
 
-def test_logprobs_of_greedy_tokens_equal_hf_log_softmax(stack: Stack, tiny_model_dir: Path) -> None:
-    generated, hf = hf_greedy_logprobs(tiny_model_dir, PROMPT_IDS, NUM_NEW)
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir: Path) -> tuple[list[int], torch.Tensor]:
+    return hf_greedy_logprobs(tiny_model_dir, PROMPT_IDS, NUM_NEW)
+
+
+def assert_top_logprobs_equal_hf(top_logprobs: list[dict[str, float]], generated: list[int],
+                                 hf: torch.Tensor, tokenizer: Tokenizer) -> None:
+    """`top_logprobs[step]` is the legacy entry after PROMPT_IDS + step generated tokens: HF's
+    TOP_K best keyed by text (of two tokens with one text the lower-ranked wins, as in a dict
+    built in rank order) plus the generated token itself."""
+    for step, token_id in enumerate(generated):
+        row = hf[len(PROMPT_IDS) - 1 + step]
+        values, ids = row.topk(TOP_K)
+        expected = {tokenizer.token_text(int(i)): float(v) for v, i in zip(values, ids)}
+        expected.setdefault(tokenizer.token_text(token_id), float(row[token_id]))
+        assert top_logprobs[step] == pytest.approx(expected, abs=1e-4)
+
+
+def test_echoed_prompt_and_greedy_tokens_have_hf_logprobs_at_every_position(
+        stack: Stack, tiny_model_dir: Path, hf_reference: tuple[list[int], torch.Tensor]) -> None:
+    generated, hf = hf_reference
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     request = {"prompt": PROMPT_IDS, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True,
                "logprobs": TOP_K, "echo": True}
-    for _ in range(2):  # the second time the prompt is in the prefix cache: still every position
+    for _ in range(2):  # the second time the prompt's blocks are cached: still every position
         logprobs = post(stack, "/v1/completions", request)["choices"][0]["logprobs"]
-        num_prompt = len(PROMPT_IDS)
         assert logprobs["tokens"] == [tokenizer.token_text(t) for t in PROMPT_IDS + generated]
         assert logprobs["token_logprobs"][0] is None
         expected = [float(hf[t, token]) for t, token in enumerate((PROMPT_IDS + generated)[1:])]
         assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
-        for step in range(NUM_NEW):
-            row = num_prompt - 1 + step
-            top = sorted(logprobs["top_logprobs"][num_prompt + step].values(), reverse=True)
-            assert top[:TOP_K] == pytest.approx(hf[row].topk(TOP_K).values.tolist(), abs=1e-4)
+        assert_top_logprobs_equal_hf(logprobs["top_logprobs"][len(PROMPT_IDS):], generated, hf, tokenizer)
 
 
-def test_chat_logprobs_list_every_generated_token(stack: Stack) -> None:
-    body = post(stack, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0,
-        "ignore_eos": True, "logprobs": True, "top_logprobs": 2})
-    content = body["choices"][0]["logprobs"]["content"]
-    assert len(content) == body["usage"]["completion_tokens"] == 5
-    for item in content:
-        assert item["logprob"] <= 0 and len(item["top_logprobs"]) == 2
-        assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"], abs=1e-5)  # greedy
-        assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
+def test_greedy_logprobs_after_a_prefix_cache_hit_equal_hf_log_softmax(
+        stack: Stack, tiny_model_dir: Path, hf_reference: tuple[list[int], torch.Tensor]) -> None:
+    generated, hf = hf_reference
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    request = {"prompt": PROMPT_IDS, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True,
+               "logprobs": TOP_K}  # no echo: no prompt logprobs owed, so the prompt may come from the cache
+    post(stack, "/v1/completions", request)  # publishes the prompt's full blocks
+    body = post(stack, "/v1/completions", request)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # both full blocks
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.token_text(t) for t in generated]
+    expected = [float(hf[len(PROMPT_IDS) - 1 + step, token]) for step, token in enumerate(generated)]
+    assert logprobs["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    assert_top_logprobs_equal_hf(logprobs["top_logprobs"], generated, hf, tokenizer)
 
 
 def test_repeated_long_prompt_reports_cached_tokens(stack: Stack) -> None:
