@@ -15,6 +15,7 @@ from deploy.launcher import Stack
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 5  # a few full KV blocks
 SUCCESS = 'conveyor:request_success_total{finished_reason="%s"}'
 PER_STEP = ("iteration_tokens_total", "step_duration_seconds", "batch_occupancy")
+ABANDONED_MAX_TOKENS = 400
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -47,8 +48,8 @@ def complete(base_url: str, **body: object) -> dict:
 
 def abandon_a_stream(base_url: str) -> None:
     """Start a long stream, hang up after its first text chunk: the frontend aborts it."""
-    body = {"model": "tiny", "prompt": "Abandon " + PROMPT, "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {"model": "tiny", "prompt": "Abandon " + PROMPT, "max_tokens": ABANDONED_MAX_TOKENS,
+            "ignore_eos": True, "temperature": 0, "stream": True}
     with httpx.Client(base_url=base_url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -95,6 +96,10 @@ def test_known_mix_of_requests_sets_every_counter_and_histogram_count(stack: Sta
     num_steps = got["conveyor:iteration_tokens_total_count"]
     assert num_steps >= generated / 3 and all(got[f"conveyor:{n}_count"] == num_steps for n in PER_STEP)
     assert got["conveyor:iteration_tokens_total_sum"] >= generated - 3
+    # The frontend stops counting the abandoned stream's tokens when its client leaves, whatever the
+    # scheduler does; what the workers computed shows the abort: most of its max_tokens never ran.
+    num_computed = got["conveyor:iteration_tokens_total_sum"]
+    assert num_computed < prompts + 2 * 8 + ABANDONED_MAX_TOKENS // 2, f"{num_computed} tokens computed"
     assert 0 < got["conveyor:prefix_cache_hits_total"] <= got["conveyor:prefix_cache_queries_total"]
     assert got["conveyor:protocol_errors_total"] == 0 and got["conveyor:padded_slot_steps_total"] == 0
     assert got["conveyor:num_preemptions_total"] == 0
