@@ -92,5 +92,9 @@ def test_a_max_model_len_beyond_the_context_is_refused(tiny_model_dir: Path) -> 
 
 
 def test_serve_exits_with_a_clear_error_for_a_missing_model(tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture) -> None:
-    assert main(["serve", str(tmp_path / "nowhere" / "x")]) == 2
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    missing = tmp_path / "nowhere" / "x"
+    assert main(["serve", str(missing)]) == 2
+    errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 1, errors
+    assert str(missing) in errors[0] and "neither a local directory" in errors[0], errors[0]
