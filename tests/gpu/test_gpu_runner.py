@@ -36,17 +36,21 @@ def test_cuda_runner_logits_match_hf_in_fp32(tiny_model_dir: Path) -> None:
 
 
 def test_cuda_runner_greedy_decoding_in_bf16_matches_fp32_early_tokens(tiny_model_dir: Path) -> None:
-    tokens = {}
+    # On the tiny model this prompt's first four greedy tokens each lead the runner-up by more than
+    # one logit (fp32), far beyond bf16's rounding; later tokens of a random model may drift.
+    prompt, num_new = [21, 24, 27, 30, 33], 4
+    generated = {}
     for dtype in ("float32", "bfloat16"):
         runner = ModelRunner(tiny_engine_config(tiny_model_dir, dtype=dtype, block_size=16),
                              rank=0, show_progress=False)
-        seq, pool = Seq("a", [5, 9, 13, 17, 21]), BlockPool(64, block_size=16)
-        for step in range(4):
+        seq, pool = Seq("a", list(prompt)), BlockPool(64, block_size=16)
+        for step in range(num_new):
             scheduled = [len(seq.token_ids) - seq.num_computed]
             plan = make_plan([seq], scheduled, pool, step)
             advance([seq], scheduled, plan, runner.execute(plan))
-        tokens[dtype] = seq.token_ids
-    assert tokens["bfloat16"][:6] == tokens["float32"][:6]  # bf16 may drift later on a random model
+        generated[dtype] = seq.token_ids[len(prompt):]
+    assert len(generated["float32"]) == num_new
+    assert generated["bfloat16"] == generated["float32"]
 
 
 @pytest.mark.skipif(len(visible_gpus()) < 2, reason="needs two GPUs")
