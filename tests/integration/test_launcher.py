@@ -39,6 +39,14 @@ def test_the_stack_stops_every_process_when_one_dies(tiny_model_dir: Path, tmp_p
     assert not any(process_alive(pid) for pid in pids)
 
 
+def health_status(base_url: str) -> int | None:
+    """/health's status code, or None while nothing answers."""
+    try:
+        return httpx.get(f"{base_url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
 def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
     port = free_port()
     command = [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--port", str(port),
@@ -48,12 +56,10 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
                               text=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        while health_status(f"http://127.0.0.1:{port}") != 200:
+            assert server.poll() is None, f"conveyor serve exited: {server.stdout.read()}"
+            assert time.monotonic() < deadline, "conveyor serve did not answer /health with 200 in 120 s"
+            time.sleep(0.3)
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                               json={"prompt": "hello", "max_tokens": 3})
         assert response.status_code == 200, response.text
