@@ -1,5 +1,6 @@
 """The `conveyor` command: `serve` starts the stack; `bench` replays a trace against a server;
-`simulate` shows static vs continuous batching on the real scheduler."""
+`simulate` shows static vs continuous batching on the real scheduler; `keygen` writes the key
+pair of a multi-node deployment."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from deploy.model_info import ModelError, read_model_info
 from deploy.model_source import resolve_model
-from deploy.placement import add_placement_arguments, check_placement, placement_fields
+from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
 from proto.config import ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES, EngineConfig
 from proto.errors import ValidationError
@@ -162,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(`bench sweep`: vary --max-num-seqs)"))
     commands.add_parser("simulate", add_help=False, help="static vs continuous batching on the real "
                                                          "scheduler, drawn as slot timelines")
+    keygen = commands.add_parser("keygen", help="write a CURVE key pair for --transport-keys (multi-node)")
+    keygen.add_argument("dir", help="a new or empty directory; gets conveyor.key_secret and conveyor.key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "keygen":
+        return write_keys(args.dir)
     return bench.run(args)
 
 

@@ -25,6 +25,7 @@ import zmq
 
 from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
+from deploy.placement import check_transport
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
@@ -85,6 +86,7 @@ class Stack:
         gpus = visible_gpus()
         try:
             check_devices(self.config, gpus)
+            check_transport(self.config)
             self.config = resolve_dtype(self.config, bool(gpus), os.environ)
         except ValidationError as exc:
             raise StartupError(str(exc)) from exc

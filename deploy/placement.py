@@ -1,13 +1,18 @@
-"""`conveyor serve` flags that place the model: tensor-parallel size, GPUs, nodes; checked up front."""
+"""`conveyor serve` flags for placement (tensor-parallel size, GPUs, nodes) and the transport between nodes."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+from pathlib import Path
 
 from deploy.devices import check_devices, visible_gpus
 from deploy.model_info import ModelInfo
+from proto import sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ValidationError
+
+log = logging.getLogger("conveyor.deploy")
 
 
 def parse_devices(text: str) -> tuple[int, ...]:
@@ -34,6 +39,12 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                         help="node 0's address, as the other nodes reach it (needed with --nnodes > 1)")
     parser.add_argument("--master-port", type=int, default=defaults.master_port,
                         help="torch.distributed port on node 0; the next 1 + TP ports carry the steps")
+    parser.add_argument("--transport-keys", default="", metavar="DIR",
+                        help="multi-node: the deployment's CURVE key pair (`conveyor keygen DIR`), the "
+                             "same on every node; the step channels are then authenticated and encrypted")
+    parser.add_argument("--insecure-transport", action="store_true",
+                        help="multi-node without --transport-keys: step channels in the clear, open to "
+                             "anyone who reaches the ports (a private network only)")
 
 
 def placement_fields(args: argparse.Namespace, info: ModelInfo) -> dict[str, object]:
@@ -48,10 +59,38 @@ def placement_fields(args: argparse.Namespace, info: ModelInfo) -> dict[str, obj
     if kv_heads % tp and tp % kv_heads:
         raise ValidationError(f"--tensor-parallel-size {tp} must divide the model's {kv_heads} KV heads "
                               "or be a multiple of them (KV heads are then replicated)")
+    keys_dir = str(Path(args.transport_keys).resolve()) if args.transport_keys else ""
     return dict(tensor_parallel_size=tp, devices=tuple(args.devices), nnodes=args.nnodes,
-                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                transport_keys_dir=keys_dir, insecure_transport=args.insecure_transport)
 
 
 def check_placement(config: EngineConfig) -> None:
     """Refuse GPUs this machine does not have (and CPU-only machines given --devices)."""
     check_devices(config, visible_gpus())
+
+
+def check_transport(config: EngineConfig) -> None:
+    """Refuse unreadable keys before any process starts; warn about a transport in the clear."""
+    if sockets.uses_curve(config):
+        transport.load_transport_keys(config.transport_keys_dir)
+    elif config.nnodes > 1:
+        log.warning("--insecure-transport: the step channels on ports %d..%d of %s are neither "
+                    "authenticated nor encrypted; anyone who reaches them can read every plan and "
+                    "inject results", config.master_port + 1,
+                    config.master_port + 1 + config.tensor_parallel_size, config.master_addr)
+
+
+def write_keys(directory: str) -> int:
+    """`conveyor keygen DIR`: a fresh key pair for --transport-keys; exit code 2 if DIR holds one."""
+    try:
+        secret_path = transport.write_key_pair(directory)
+    except (ValidationError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    public_path = secret_path.with_name(transport.PUBLIC_KEY_FILE)
+    print(f"wrote {secret_path} (the secret key, mode 0600) and {public_path}")
+    print(f"give every node a copy of {secret_path.name} in a directory of its own and pass "
+          "--transport-keys DIR; on Kubernetes:")
+    print(f"  kubectl create secret generic conveyor-transport-keys --from-file={secret_path}")
+    return 0

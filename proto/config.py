@@ -61,6 +61,10 @@ class EngineConfig:
     master_addr: str = ""  # node 0's address as every node reaches it; required when nnodes > 1
     master_port: int = 29500  # torch.distributed rendezvous; the ZMQ step channels use the next ports
     devices: tuple[int, ...] = ()  # this node's GPU per local worker; () = 0, 1, ... (GPU) or none (CPU)
+    # Multi-node: the directory of the deployment's CURVE key pair (proto.transport), or the
+    # explicit opt-out that sends the step channels unauthenticated and unencrypted.
+    transport_keys_dir: str = ""
+    insecure_transport: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +108,7 @@ class EngineConfig:
         if self.nnodes > 1 and not self.master_addr:
             raise ValidationError(f"nnodes={self.nnodes} needs master_addr: the address of node 0 "
                                   "that every node can reach (--master-addr)", "master_addr")
+        self._validate_transport()
         top_port = self.master_port + 1 + self.tensor_parallel_size
         if self.master_port < 1 or top_port > 65535:
             raise ValidationError(f"master_port must leave room for ports {self.master_port}.."
@@ -114,6 +119,17 @@ class EngineConfig:
         if len(set(self.devices)) != len(self.devices) or any(d < 0 for d in self.devices):
             raise ValidationError(f"devices must be distinct non-negative indices, got {list(self.devices)}",
                                   "devices")
+
+    def _validate_transport(self) -> None:
+        if self.transport_keys_dir and self.insecure_transport:
+            raise ValidationError("--transport-keys and --insecure-transport contradict each other: "
+                                  "give one", "insecure_transport")
+        if self.nnodes > 1 and not (self.transport_keys_dir or self.insecure_transport):
+            raise ValidationError(
+                f"nnodes={self.nnodes} sends the step channels over TCP: give every node the "
+                "deployment's key pair with --transport-keys DIR (create it once with `conveyor "
+                "keygen DIR`), or pass --insecure-transport to send them unauthenticated and "
+                "unencrypted (a private network only)", "transport_keys_dir")
 
     @property
     def workers_per_node(self) -> int:

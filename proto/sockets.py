@@ -8,7 +8,7 @@ import tempfile
 
 import zmq
 
-from proto import codec
+from proto import codec, transport
 from proto.config import EngineConfig
 from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
                             StepPlan, StepResult, WorkerReady)
@@ -78,6 +78,18 @@ def max_frame_bytes(config: EngineConfig) -> int:
             + 1024 * config.max_num_batched_tokens)
 
 
+def uses_curve(config: EngineConfig) -> bool:
+    """The tcp:// step channels of a multi-node deployment with --transport-keys."""
+    return config.nnodes > 1 and bool(config.transport_keys_dir)
+
+
+def guard_step_channels(context: zmq.Context, config: EngineConfig) -> transport.KeyGuard | None:
+    """The ZAP handler the binding side starts before bind_channel when the channels use CURVE."""
+    if not uses_curve(config):
+        return None
+    return transport.KeyGuard(context, transport.load_transport_keys(config.transport_keys_dir))
+
+
 def make_runtime_dir() -> str:
     """A fresh private (0700) directory for ipc:// socket files."""
     path = tempfile.mkdtemp(prefix="conveyor-")
@@ -107,18 +119,31 @@ def connect(context: zmq.Context, kind: int, runtime_dir: str, channel: str,
 
 
 def bind_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str,
-                 max_frame_bytes: int = -1) -> zmq.Socket:
-    """Like bind, but a step channel goes over TCP when the ranks span nodes."""
+                 guard: transport.KeyGuard | None = None, max_frame_bytes: int = -1) -> zmq.Socket:
+    """Like bind, but a step channel goes over TCP when the ranks span nodes, as a CURVE server
+    when uses_curve(config) (then `guard`, from guard_step_channels, must be running)."""
     endpoint = channel_address(config, channel, for_bind=True)
     sock = _new_socket(context, kind, max_frame_bytes, endpoint)
+    if endpoint.startswith("tcp://") and uses_curve(config):
+        if guard is None:
+            sock.close(linger=0)
+            raise ValueError(f"{channel} uses CURVE: start guard_step_channels before binding it")
+        transport.make_curve_server(sock, guard.keys)
     sock.bind(endpoint)
     return sock
 
 
 def connect_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str,
                     max_frame_bytes: int = -1) -> zmq.Socket:
+    """Like connect; over TCP as a CURVE client with the deployment's keys when uses_curve(config)."""
     endpoint = channel_address(config, channel, for_bind=False)
     sock = _new_socket(context, kind, max_frame_bytes, endpoint)
+    if endpoint.startswith("tcp://") and uses_curve(config):
+        try:
+            transport.make_curve_client(sock, transport.load_transport_keys(config.transport_keys_dir))
+        except BaseException:
+            sock.close(linger=0)
+            raise
     sock.connect(endpoint)
     return sock
 

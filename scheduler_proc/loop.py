@@ -9,9 +9,9 @@ import time
 
 import zmq
 
-from proto import codec, sockets
+from proto import codec, sockets, transport
 from proto.config import EngineConfig
-from proto.errors import ProtocolError
+from proto.errors import ProtocolError, ValidationError
 from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
                             StepPlan, StepResult, WorkerReady)
 from scheduler_proc.engine import SchedulerEngine
@@ -40,6 +40,7 @@ class SchedulerLoop:
         self._sockets: list[zmq.Socket] = []
         self._control: zmq.Socket | None = None  # set with the others by _open_sockets
         self._outputs: zmq.Socket | None = None
+        self._guard: transport.KeyGuard | None = None  # CURVE's ZAP handler, multi-node with keys
         self._fatal_error = ""  # set when a worker rank is lost: the loop ends, the stack stops
 
     def request_stop(self) -> None:
@@ -50,7 +51,7 @@ class SchedulerLoop:
         """Serve until stopped; the process exit code (non-zero when start-up failed)."""
         try:
             self._open_sockets()
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValidationError) as exc:
             self._fail(f"cannot open the scheduler's sockets in {self.config.runtime_dir!r}: {exc}")
             self._close()
             return 1
@@ -81,17 +82,23 @@ class SchedulerLoop:
         self._control = self._track(sockets.connect(ctx, zmq.PUSH, run_dir, sockets.CONTROL))
         self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS, max_frame_bytes))
         self._outputs = self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.OUTPUTS))
-        # Step channels are tcp:// on the master address when the worker ranks span nodes.
-        self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, config, sockets.plan_channel(rank)))
+        # Step channels are tcp:// on the master address when the worker ranks span nodes, CURVE
+        # with --transport-keys: the ZAP handler runs before the first bind.
+        self._guard = sockets.guard_step_channels(ctx, config)
+        self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, config, sockets.plan_channel(rank),
+                                                        self._guard))
                        for rank in range(config.tensor_parallel_size)]
-        self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, config, sockets.RESULTS,
-                                                         max_frame_bytes=max_frame_bytes))
+        self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, config, sockets.RESULTS, self._guard,
+                                                         max_frame_bytes))
 
     def _track(self, sock: zmq.Socket) -> zmq.Socket:
         self._sockets.append(sock)
         return sock
 
     def _close(self) -> None:
+        if self._guard is not None:
+            self._guard.stop()  # first: its thread's socket lives in the context destroyed below
+            self._guard = None
         for sock in self._sockets:
             # Final outputs and ProcessFailed may still be queued: let them leave.
             keep = sock is self._control or sock is self._outputs
@@ -142,7 +149,10 @@ class SchedulerLoop:
             return None
         missing = [rank for rank in range(num_ranks) if rank not in blocks_by_rank]
         if missing:
-            self._fail(f"worker ranks {missing} did not report ready within {timeout_s} s")
+            num_refused = self._guard.num_refused if self._guard else 0
+            refused = (f"; {num_refused} peers were refused for a CURVE key that is not this "
+                       "deployment's (--transport-keys)" if num_refused else "")
+            self._fail(f"worker ranks {missing} did not report ready within {timeout_s} s{refused}")
             return None
         num_kv_blocks = min(blocks_by_rank.values())
         if num_kv_blocks < 1:

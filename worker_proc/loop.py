@@ -42,13 +42,14 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     _exit_with_parent(parent_pid, stop)
     name = f"worker{rank}"
     context = zmq.Context()
-    # The step channels are tcp:// to node 0 when the ranks span nodes; control stays on this node.
-    plans = sockets.connect_channel(context, zmq.PULL, config, sockets.plan_channel(rank),
-                                    sockets.max_frame_bytes(config))
-    results = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
     control = sockets.connect(context, zmq.PUSH, config.runtime_dir, sockets.CONTROL)
     control.setsockopt(zmq.LINGER, FAREWELL_LINGER_MS)
     try:
+        # The step channels are tcp:// to node 0 when the ranks span nodes (CURVE clients with
+        # --transport-keys); control stays on this node.
+        plans = sockets.connect_channel(context, zmq.PULL, config, sockets.plan_channel(rank),
+                                        sockets.max_frame_bytes(config))
+        results = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
         log.info("%s starting: model %s", name, config.model or "(null model)")
         runner = create_runner(config, rank)
     except Exception as exc:  # any start-up failure must reach the supervisor, not just stderr

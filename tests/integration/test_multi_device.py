@@ -1,5 +1,6 @@
-"""Tensor-parallel ranks in the served stack (gloo on the CPU): same text, one supervisor per node,
-and a lost rank stops everything with an error that names it."""
+"""Tensor-parallel ranks in the served stack (gloo on the CPU): same text, one supervisor per node
+over CURVE step channels that peers without the key cannot enter, and a lost rank stops everything
+with an error that names it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
-from support import children_of, free_port, hf_greedy_texts, process_alive, tiny_config
+import zmq
+import zmq.auth
+from support import children_of, free_port, hf_greedy_texts, metric_value, process_alive, tiny_config
 
 from deploy.launcher import Child, Stack
+from proto import codec, sockets
+from proto.messages import StepResult
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "What is the capital of France?"]
@@ -127,30 +133,81 @@ def free_port_block(size: int) -> int:
     raise RuntimeError(f"no block of {size} free ports")
 
 
-def test_two_supervisors_on_loopback_serve_as_two_nodes(tiny_model_dir: Path,
-                                                        hf_texts: list[str]) -> None:
+def two_node_argv(model_dir: Path, master_port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "deploy.cli", "serve", str(model_dir), "--dtype", "float32",
+            "--served-model-name", "tiny", "--num-kv-blocks", "64", "--num-threads", "1",
+            "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(master_port), "--shutdown-timeout", "5", "--log-level", "warning", *extra]
+
+
+def test_two_supervisors_on_loopback_serve_as_two_nodes_and_peers_without_the_key_get_nothing_through(
+        tiny_model_dir: Path, hf_texts: list[str], tmp_path: Path) -> None:
+    keys_dir = tmp_path / "keys"
+    keygen = subprocess.run([sys.executable, "-m", "deploy.cli", "keygen", str(keys_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert keygen.returncode == 0, keygen.stderr
     http_port, master_port = free_port(), free_port_block(4)
-    common = [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--dtype", "float32",
-              "--served-model-name", "tiny", "--num-kv-blocks", "64", "--num-threads", "1",
-              "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(master_port), "--shutdown-timeout", "5", "--log-level", "warning"]
-    nodes = [subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT),
-             subprocess.Popen([*common, "--node-rank", "0", "--port", str(http_port)], cwd=ROOT)]
-    children: list[int] = []
+    common = two_node_argv(tiny_model_dir, master_port, "--transport-keys", str(keys_dir))
+    node0_log = tmp_path / "node0.log"
+    with open(node0_log, "wb") as node0_output:
+        nodes = [subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT),
+                 subprocess.Popen([*common, "--node-rank", "0", "--port", str(http_port)], cwd=ROOT,
+                                  stderr=node0_output)]
+    context, children = zmq.Context(), []
     try:
         url = f"http://127.0.0.1:{http_port}"
         wait_healthy(url, nodes)
         children = [pid for node in nodes for pid in children_of(node.pid)]
         assert len(children) == 4  # node 1: worker1; node 0: scheduler, worker0, frontend
+        # Intruders on every step port, plain and CURVE; on the plan ports they would take plans.
+        public_key, _ = zmq.auth.load_certificate(keys_dir / "conveyor.key")
+        senders = [intruder(context, zmq.PUSH, master_port + 1, server_key)
+                   for server_key in (None, public_key)]
+        for sender in senders:
+            sender.send(b"\xc1 garbage")
+            sender.send(codec.encode(StepResult(0, np.zeros(0, np.int32), "", rank=1)))
+        thieves = [intruder(context, zmq.PULL, master_port + 2 + rank, server_key)
+                   for rank in (0, 1) for server_key in (None, public_key)]
+        wait_for_text(node0_log, "refused a step-channel peer", count=3)  # the CURVE ones, by ZAP
         assert greedy_texts(url) == hf_texts
+        assert all(sockets.recv_ready(thief, 0.05) is None for thief in thieves)
+        assert metric_value(url, "conveyor:protocol_errors_total") == 0  # no intruder frame was read
         for node in reversed(nodes):
             node.send_signal(signal.SIGTERM)
             assert node.wait(timeout=60) == 0
     finally:
+        context.destroy(linger=0)
         for node in nodes:
             if node.poll() is None:
                 node.kill()
     assert not any(process_alive(pid) for pid in children)
+
+
+def test_two_nodes_without_keys_refuse_to_start_naming_the_flags(tiny_model_dir: Path) -> None:
+    result = subprocess.run(two_node_argv(tiny_model_dir, free_port_block(4), "--node-rank", "1"),
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--transport-keys DIR" in result.stderr and "conveyor keygen DIR" in result.stderr
+    assert "--insecure-transport" in result.stderr
+
+
+def intruder(context: zmq.Context, kind: int, port: int, server_key: bytes | None) -> zmq.Socket:
+    """A peer without the deployment's secret key: plain ZMTP, or (given the deployment's public
+    key) CURVE with a key pair of its own."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if server_key is not None:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = server_key
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def wait_for_text(path: Path, text: str, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while path.read_text(errors="replace").count(text) < count:
+        assert time.monotonic() < deadline, f"{path} does not say {text!r} {count} times"
+        time.sleep(0.1)
 
 
 def wait_healthy(url: str, nodes: list[subprocess.Popen]) -> None:

@@ -13,7 +13,8 @@ from proto import codec, messages, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
 
-TWO_NODES = dict(tensor_parallel_size=4, nnodes=2, master_addr="10.0.0.5", master_port=4000)
+TWO_NODES = dict(tensor_parallel_size=4, nnodes=2, master_addr="10.0.0.5", master_port=4000,
+                 insecure_transport=True)
 
 
 def test_a_single_node_keeps_every_channel_on_ipc() -> None:
@@ -40,12 +41,12 @@ def test_a_master_host_name_is_bound_on_every_interface_and_connected_by_name() 
     assert sockets.channel_address(ipv6, sockets.RESULTS, for_bind=True) == "tcp://[::1]:4001"
 
 
-def test_a_frame_crosses_a_tcp_step_channel_on_loopback() -> None:
+def test_a_frame_crosses_an_insecure_tcp_step_channel_on_loopback() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         master_port = probe.getsockname()[1] - 1  # results lands on the probed free port
     config = EngineConfig(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
-                          master_port=master_port)
+                          master_port=master_port, insecure_transport=True)
     context = zmq.Context()
     try:
         reader = sockets.bind_channel(context, zmq.PULL, config, sockets.RESULTS)
@@ -58,9 +59,11 @@ def test_a_frame_crosses_a_tcp_step_channel_on_loopback() -> None:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(tensor_parallel_size=2, nnodes=2), "needs master_addr"),
-    (dict(tensor_parallel_size=3, nnodes=2, master_addr="h"), "must be a multiple of nnodes 2"),
-    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_addr="h"), r"node_rank must be in \[0, nnodes=2\)"),
+    (dict(tensor_parallel_size=2, nnodes=2, insecure_transport=True), "needs master_addr"),
+    (dict(tensor_parallel_size=3, nnodes=2, master_addr="h", insecure_transport=True),
+     "must be a multiple of nnodes 2"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_addr="h", insecure_transport=True),
+     r"node_rank must be in \[0, nnodes=2\)"),
     (dict(tensor_parallel_size=2, devices=(0,)), "lists 1 devices"),
     (dict(tensor_parallel_size=2, devices=(1, 1)), "distinct"),
     (dict(tensor_parallel_size=2, master_port=65534), "master_port must leave room"),
