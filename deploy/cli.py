@@ -57,6 +57,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context length")
     parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                         help="waiting-queue limit; requests beyond it get 429")
+    parser.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens,
+                        help="prompt tokens the waiting queue may hold; requests beyond it get 429 "
+                             "(an empty queue takes any prompt that fits the model)")
+    parser.add_argument("--max-request-body-size", type=parse_size,
+                        default=defaults.max_request_body_bytes,
+                        help="HTTP request bodies beyond this get 413, e.g. 16MiB (the default)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of cached KV blocks across requests")
@@ -75,7 +81,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--null-model", action="store_true",
                         help="sample without running a model (measures scheduler + IPC overhead)")
     parser.add_argument("--ready-timeout", type=float, default=defaults.ready_timeout_s)
-    parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s)
+    parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s,
+                        help="seconds a worker may take for one step before it counts as hung and "
+                             "its group is replaced")
+    parser.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                        help="worker group replacements allowed within --restart-window; one more "
+                             "fault stops the stack")
+    parser.add_argument("--restart-window", type=float, default=defaults.restart_window_s,
+                        help="seconds over which --max-restarts counts")
     parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s)
     parser.add_argument("--log-level", default=defaults.log_level,
                         choices=["debug", "info", "warning", "error"])
@@ -95,7 +108,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-        max_num_waiting=args.max_num_waiting, scheduling=args.scheduling, null_model=args.null_model,
+        max_num_waiting=args.max_num_waiting, max_waiting_tokens=args.max_waiting_tokens,
+        max_request_body_bytes=args.max_request_body_size,
+        scheduling=args.scheduling, null_model=args.null_model,
         enable_prefix_caching=not args.no_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
@@ -103,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
         api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         **placement_fields(args, info))
     check_placement(config)
     return config

@@ -26,10 +26,11 @@ import zmq
 from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
 from deploy.placement import check_transport
+from deploy.restarts import RestartBudget
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.messages import ProcessFailed, ProcessReady
+from proto.messages import ProcessFailed, ProcessReady, RestartWorkers
 
 log = logging.getLogger("conveyor.deploy")
 
@@ -47,10 +48,15 @@ class Child:
     process: subprocess.Popen | None = None
     log_file: IO[bytes] | None = None
 
+    @property
+    def rank(self) -> int:
+        """A worker's tensor-parallel rank (-1 for the other processes)."""
+        return int(self.extra_args[1]) if self.module == "worker_proc" else -1
+
     def describe_exit(self) -> str:
         code = self.process.returncode
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        rank = f", tensor-parallel rank {self.extra_args[1]}" if self.module == "worker_proc" else ""
+        rank = f", tensor-parallel rank {self.rank}" if self.module == "worker_proc" else ""
         return f"{self.name} (pid {self.process.pid}{rank}) {how}"
 
 
@@ -66,6 +72,8 @@ class Stack:
         self._owns_runtime_dir = not config.runtime_dir
         self.num_protocol_errors = 0  # malformed control frames
         self.failure = ""  # why the stack is stopping, when a process died or reported failure
+        self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
+        self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed that worker
 
     @property
     def url(self) -> str:
@@ -166,6 +174,11 @@ class Stack:
         while not should_stop():
             reported = self._reported_failure(poll_s)
             dead = self.dead_child()
+            if dead is not None and dead.module == "worker_proc" and not reported:
+                reported = self._replace_workers(dead)
+                if not reported:
+                    continue
+                dead = None
             if dead is not None or reported:
                 detail = "; ".join(part for part in (dead.describe_exit() if dead else "", reported) if part)
                 self.failure = f"{detail}; stopping every process{self._log_hint(dead) if dead else ''}"
@@ -173,10 +186,47 @@ class Stack:
         return "shutdown requested"
 
     def _reported_failure(self, wait_s: float) -> str:
-        """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''."""
+        """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''.
+        A RestartWorkers (the scheduler naming hung ranks) kills those ranks here."""
         frame = sockets.recv_ready(self._control, wait_s)
         message = None if frame is None else self.decode_control(frame)
+        if isinstance(message, RestartWorkers):
+            self._kill_ranks(message.ranks.tolist(), message.reason)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
+
+    def _workers(self) -> list[Child]:
+        return [child for child in self.children if child.module == "worker_proc"]
+
+    def _kill_ranks(self, ranks: list[int], reason: str) -> None:
+        for child in self._workers():
+            if child.rank in ranks and child.process is not None and child.process.poll() is None:
+                log.error("%s (pid %d, tensor-parallel rank %d) hangs: %s; killing it", child.name,
+                          child.process.pid, child.rank, reason)
+                self._kill_reasons[child.process.pid] = reason
+                child.process.kill()
+
+    def _replace_workers(self, dead: Child) -> str:
+        """A worker died (or was killed for hanging): start a fresh group of this node's workers,
+        the survivors killed first (the group's collectives and KV cache went with the dead one).
+        Returns '' once replaced, else why the stack must stop (--max-restarts reached)."""
+        cause = dead.describe_exit()
+        killed_for = self._kill_reasons.pop(dead.process.pid, "")
+        if killed_for:
+            cause = f"{cause} after it hung ({killed_for})"
+        if not self.restarts.allow(cause):
+            return self.restarts.exhausted(cause)
+        log.error("%s; replacing the worker group (restart %d, at most %d within %.0f s)", cause,
+                  self.restarts.num_restarts_total, self.restarts.max_restarts, self.restarts.window_s)
+        self.config = self.config.with_updates(worker_generation=self.config.worker_generation + 1)
+        for child in self._workers():
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+            if child.process is not None:
+                child.process.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+            self._spawn(child)
+        return ""
 
     def decode_control(self, frame: bytes) -> ProcessReady | ProcessFailed | None:
         """A control frame's message; a malformed one (or another channel's) is logged, counted, None."""

@@ -54,6 +54,11 @@ class EngineConfig:
     ready_timeout_s: float = 120.0
     step_timeout_s: float = 120.0
     shutdown_timeout_s: float = 30.0
+    # A worker group that dies or hangs is replaced and its requests recomputed, at most
+    # max_restarts times within restart_window_s; one more fault stops the stack.
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    worker_generation: int = 0  # which worker group this is on this node (the supervisor counts restarts)
     log_level: str = "info"
     # Across devices and nodes: tensor_parallel_size ranks spread evenly over nnodes supervisors.
     nnodes: int = 1
@@ -91,7 +96,7 @@ class EngineConfig:
             raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got "
                                   f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size",
-                     "long_prefill_token_threshold"):
+                     "long_prefill_token_threshold", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValidationError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         self._validate_placement()

@@ -218,6 +218,9 @@ class StepOutputs:
     engine_stopping: bool = False  # the scheduler is exiting: these are its last outputs, not a sign of life
     error_codes: np.ndarray = field(default_factory=_u8)  # uint8 [num_outputs] ERROR_* values; empty = none
     num_waiting_tokens: int = 0  # tokens the waiting sequences must compute (bounded by max_waiting_tokens)
+    workers_serving: bool = True  # False while the worker group is being replaced after a fault
+    num_worker_restarts_total: int = 0  # worker groups replaced after a fault
+    num_requests_recovered_total: int = 0  # running sequences requeued (tokens kept) by those restarts
 
     ARRAY_DTYPES = {"cu_new_tokens": np.int32, "new_token_ids": np.int32, "choice_indices": np.int32,
                     "num_cached_tokens": np.int32, "error_codes": np.uint8, "event_choice_indices": np.int32,
@@ -245,7 +248,18 @@ class ProcessFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class RestartWorkers:
+    """Scheduler -> supervisor: these ranks are alive but lost a step (hung); kill and replace the
+    worker group. A rank that died needs no message: the supervisor sees its exit itself."""
+
+    ranks: np.ndarray  # int32 [num_ranks]
+    reason: str
+
+    ARRAY_DTYPES = {"ranks": np.int32}
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, AbortRequest, StepPlan, StepResult, WorkerReady, StepOutputs,
-    ProcessReady, ProcessFailed,
+    ProcessReady, ProcessFailed, RestartWorkers,
 )

@@ -10,8 +10,8 @@ import zmq
 
 from proto import codec, transport
 from proto.config import EngineConfig
-from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
-                            StepPlan, StepResult, WorkerReady)
+from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, RestartWorkers,
+                            StepOutputs, StepPlan, StepResult, WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)
@@ -23,7 +23,7 @@ REQUEST_MESSAGES = (AddRequest, AbortRequest)
 OUTPUT_MESSAGES = (StepOutputs,)
 RESULT_MESSAGES = (WorkerReady, StepResult)
 PLAN_MESSAGES = (StepPlan,)
-CONTROL_MESSAGES = (ProcessReady, ProcessFailed)
+CONTROL_MESSAGES = (ProcessReady, ProcessFailed, RestartWorkers)
 
 MIN_MAX_FRAME_BYTES = 64 << 20
 

@@ -141,6 +141,11 @@ class BlockManager:
         request.block_ids = request.block_table.view
         request.num_kv_slots = len(request.block_table) * self.block_size
 
+    def forget_cached_blocks(self) -> None:
+        """Drop every prefix-cache entry (the workers' cache was lost); no block may be held."""
+        assert not self._holders, f"{len(self._holders)} sequences still hold blocks"
+        self.pool = BlockPool(self.num_blocks)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if a reference count, the cache map or the free queue is off."""
         self.pool.check_invariants()

@@ -63,6 +63,7 @@ class SchedulerEngine:
         self._outputs = OutputBuffer()
         self._in_flight: _InFlightStep | None = None
         self._next_step_id = 0
+        self.num_requests_recovered_total = 0
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -168,6 +169,21 @@ class SchedulerEngine:
             self._finish(request, "error", error_message, now=now)
         return self._outputs.build(step_id, self.stats(), 0.0)
 
+    def recover_lost_step(self) -> StepOutputs:
+        """The worker group lost its KV cache (a rank died or hung; a new group is starting): the
+        step in flight is dropped and every running sequence goes back to the head of waiting in
+        admission order, keeping its tokens, to be recomputed as after a preemption. No prefix-
+        cached block survives: the new group's cache is empty."""
+        step_id = HEARTBEAT_STEP_ID if self._in_flight is None else self._in_flight.step_id
+        self._in_flight = None
+        recovered = len(self.queues.running)
+        while self.queues.running:
+            self.queues.preempt_newest(self.block_manager, counted=False)
+        self.policy.drop_batch()
+        self.block_manager.forget_cached_blocks()
+        self.num_requests_recovered_total += recovered
+        return self._outputs.build(step_id, self.stats(), 0.0)
+
     def finish_all(self, error_message: str) -> StepOutputs:
         """Fail every unfinished choice (shutdown): none may end without its terminal output."""
         self._in_flight = None
@@ -196,7 +212,8 @@ class SchedulerEngine:
                               num_preemptions_total=self.queues.num_preemptions_total,
                               num_padded_slot_steps_total=self.policy.num_padded_seat_steps_total,
                               prefix_cache_queries_total=block_manager.prefix_cache_queries_total,
-                              prefix_cache_hits_total=block_manager.prefix_cache_hits_total)
+                              prefix_cache_hits_total=block_manager.prefix_cache_hits_total,
+                              num_requests_recovered_total=self.num_requests_recovered_total)
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants()

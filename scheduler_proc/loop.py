@@ -6,14 +6,16 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
+import numpy as np
 import zmq
 
 from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, StepOutputs,
-                            StepPlan, StepResult, WorkerReady)
+from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, RestartWorkers,
+                            StepOutputs, StepPlan, StepResult, WorkerReady)
 from scheduler_proc.engine import SchedulerEngine
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,10 @@ class SchedulerLoop:
         self._control: zmq.Socket | None = None  # set with the others by _open_sockets
         self._outputs: zmq.Socket | None = None
         self._guard: transport.KeyGuard | None = None  # CURVE's ZAP handler, multi-node with keys
-        self._fatal_error = ""  # set when a worker rank is lost: the loop ends, the stack stops
+        self._fatal_error = ""  # set when the loop cannot go on: it ends, the stack stops
+        self._worker_pids: dict[int, int] = {}  # rank -> pid of the group serving now
+        self._workers_serving = False  # False until the group is ready, and while it is replaced
+        self.num_worker_restarts = 0  # worker groups lost and replaced
 
     def request_stop(self) -> None:
         """Ask the loop to finish; safe to call from a signal handler or another thread."""
@@ -60,6 +65,7 @@ class SchedulerLoop:
             if num_kv_blocks is None:
                 return 0 if self._should_exit() else 1
             self.engine = SchedulerEngine(self.config, num_kv_blocks)
+            self._workers_serving = True
             sockets.send(self._control, ProcessReady("scheduler", os.getpid(), f"{num_kv_blocks} KV blocks"))
             logger.info("scheduler ready: %d KV blocks of %d tokens, %s scheduling", num_kv_blocks,
                         self.config.block_size, self.config.scheduling)
@@ -82,14 +88,28 @@ class SchedulerLoop:
         self._control = self._track(sockets.connect(ctx, zmq.PUSH, run_dir, sockets.CONTROL))
         self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS, max_frame_bytes))
         self._outputs = self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.OUTPUTS))
+        self._open_step_channels()
+
+    def _open_step_channels(self) -> None:
+        ctx, config = self._context, self.config
+        max_frame_bytes = sockets.max_frame_bytes(config)
         # Step channels are tcp:// on the master address when the worker ranks span nodes, CURVE
         # with --transport-keys: the ZAP handler runs before the first bind.
-        self._guard = sockets.guard_step_channels(ctx, config)
+        if self._guard is None:
+            self._guard = sockets.guard_step_channels(ctx, config)
         self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, config, sockets.plan_channel(rank),
                                                         self._guard))
                        for rank in range(config.tensor_parallel_size)]
         self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, config, sockets.RESULTS, self._guard,
                                                          max_frame_bytes))
+
+    def _reopen_step_channels(self) -> None:
+        """Fresh plan and result sockets for a new worker group: nothing queued for or sent by the
+        lost group can reach the new one."""
+        for sock in (*self._plans, self._results):
+            self._sockets.remove(sock)
+            sock.close(linger=0)
+        self._open_step_channels()
 
     def _track(self, sock: zmq.Socket) -> zmq.Socket:
         self._sockets.append(sock)
@@ -129,7 +149,9 @@ class SchedulerLoop:
             logger.exception("could not report the failure to the supervisor")
 
     def _await_workers(self) -> int | None:
-        """min over ranks of the reported KV blocks, or None (ProcessFailed sent) on timeout."""
+        """min over ranks of the reported KV blocks, or None (ProcessFailed sent) on timeout.
+        While a lost group is replaced (the engine exists), new requests are queued and the
+        frontend hears heartbeats that say no group is serving."""
         num_ranks, timeout_s = self.config.tensor_parallel_size, self.config.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         blocks_by_rank: dict[int, int] = {}
@@ -137,12 +159,15 @@ class SchedulerLoop:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 break
+            if self.engine is not None:
+                self._serve_frontend_only()
             message = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)),
                                    sockets.RESULT_MESSAGES)
             if isinstance(message, WorkerReady) and 0 <= message.rank < num_ranks:
                 logger.info("worker rank %d (pid %d) ready with %d KV blocks", message.rank,
                             message.pid, message.num_kv_blocks)
                 blocks_by_rank[message.rank] = message.num_kv_blocks
+                self._worker_pids[message.rank] = message.pid
             elif message is not None:
                 self._count_bad(f"unexpected {message!r:.120} while waiting for workers")
         if self._should_exit():
@@ -189,6 +214,14 @@ class SchedulerLoop:
             elif isinstance(message, AbortRequest):
                 self.engine.abort(message.request_ids, message.choice_indices.tolist())
 
+    def _serve_frontend_only(self) -> None:
+        self._drain_requests()
+        pending = self.engine.drain_outputs()
+        if pending is not None:
+            self._send_outputs(pending, wait=False)
+        elif self._heartbeat_due():
+            self._send_outputs(self.engine.heartbeat(), wait=False)
+
     def _idle_wait(self) -> None:
         """Block on the requests socket (no busy waiting); heartbeat about once a second."""
         if self._heartbeat_due():
@@ -202,22 +235,52 @@ class SchedulerLoop:
         frame = codec.encode(plan)  # encoded once, the same bytes to every rank
         deadline = time.monotonic() + self.config.step_timeout_s
         for rank, sock in enumerate(self._plans):
-            if not self._send_frame(sock, frame, deadline):
-                return self._lost_step(f"worker rank {rank} did not take the plan of step {plan.step_id}")
+            if not self._send_frame(sock, frame, deadline, lambda: bool(self._dead_ranks([rank]))):
+                return self._lost_step(f"worker rank {rank} did not take the plan of step {plan.step_id}",
+                                       [rank])
         result, silent = self._await_result(plan.step_id, deadline)
         if result is None:
             ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
-            return self._lost_step(f"worker {ranks} did not answer step {plan.step_id}")
+            return self._lost_step(f"worker {ranks} did not answer step {plan.step_id}", silent)
         return self.engine.apply_result(result)
 
-    def _lost_step(self, what: str) -> StepOutputs:
-        """A rank that does not take or answer a step stops the scheduler, and so the stack (the
-        group cannot step without it; recovery is future work). Running requests fail with why."""
+    def _lost_step(self, what: str, silent: list[int]) -> StepOutputs:
+        """Ranks that died, or did not take or answer a step in time, lost the group's KV cache:
+        running requests go back to waiting (tokens kept), the supervisor replaces the group
+        (told here which ranks hang; it sees deaths itself), and serving resumes once every
+        rank of the new group is ready. The supervisor bounds how often (--max-restarts)."""
         if self._should_exit():
             return self.engine.fail_running("the scheduler is shutting down")
-        self._fatal_error = f"{what} within {self.config.step_timeout_s} s (--step-timeout); stopping"
-        logger.error("%s", self._fatal_error)
-        return self.engine.fail_running(self._fatal_error)
+        dead = self._dead_ranks(silent)
+        hung = [rank for rank in silent if rank not in dead]
+        cause = f"{what}: {'died' if dead else 'no answer'}" + (
+            f" within {self.config.step_timeout_s} s (--step-timeout)" if hung else "")
+        logger.error("%s; requeueing %d running requests and waiting for a new worker group", cause,
+                     len(self.engine.queues.running))
+        self._workers_serving = False
+        self.num_worker_restarts += 1
+        self._send_outputs(self.engine.recover_lost_step(), wait=False)
+        if hung:
+            sockets.send(self._control, RestartWorkers(np.asarray(hung, dtype=np.int32), cause))
+        self._reopen_step_channels()
+        num_kv_blocks = self._await_workers()
+        if num_kv_blocks is not None and num_kv_blocks < self.engine.block_manager.num_blocks:
+            self._fail(f"the new worker group has {num_kv_blocks} KV blocks, the lost one had "
+                       f"{self.engine.block_manager.num_blocks}")
+            num_kv_blocks = None
+        if num_kv_blocks is None:  # the loop ends: every request, requeued ones included, fails
+            self._fatal_error = self._fatal_error or f"no worker group after: {cause}"
+            return self.engine.finish_all(self._fatal_error)
+        self._workers_serving = True
+        logger.info("a new worker group serves (restart %d)", self.num_worker_restarts)
+        return self.engine.heartbeat()
+
+    def _dead_ranks(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` whose process on this node is gone (remote ranks count as alive: only
+        their silence tells)."""
+        local = set(range(self.config.workers_per_node))  # node 0 runs ranks 0..workers_per_node-1
+        return [rank for rank in ranks if rank in local and rank in self._worker_pids
+                and not _process_alive(self._worker_pids[rank])]
 
     def _await_result(self, step_id: int, deadline: float) -> tuple[StepResult | None, list[int]]:
         """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
@@ -231,6 +294,8 @@ class SchedulerLoop:
             if remaining_s <= 0:
                 break
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
+                if self._dead_ranks([rank for rank in range(num_ranks) if rank not in answers]):
+                    break
                 continue
             message = self._decode(self._results.recv(), sockets.RESULT_MESSAGES)
             if (isinstance(message, StepResult) and message.step_id == step_id
@@ -251,8 +316,9 @@ class SchedulerLoop:
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
         deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
-        if self.num_protocol_errors:
-            outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors)
+        outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors,
+                                      workers_serving=self._workers_serving,
+                                      num_worker_restarts_total=self.num_worker_restarts)
         if self._should_exit():
             outputs = dataclasses.replace(outputs, engine_stopping=True)
         if self._send_frame(self._outputs, codec.encode(outputs), deadline):
@@ -260,15 +326,17 @@ class SchedulerLoop:
         elif outputs.num_outputs:
             logger.error("the frontend did not take outputs for %s; they are lost", outputs.request_ids)
 
-    def _send_frame(self, sock: zmq.Socket, frame: bytes, deadline: float) -> bool:
-        """Send without blocking past `deadline` or past a stop request; False if not sent."""
+    def _send_frame(self, sock: zmq.Socket, frame: bytes, deadline: float,
+                    abandon: Callable[[], bool] = lambda: False) -> bool:
+        """Send without blocking past `deadline`, a stop request or `abandon()` (asked once per
+        poll slice); False if not sent."""
         while True:
             try:
                 sock.send(frame, zmq.NOBLOCK, copy=False)
                 return True
             except zmq.Again:
                 remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0 or self._should_exit():
+                if remaining_s <= 0 or self._should_exit() or abandon():
                     return False
                 sock.poll(int(min(remaining_s, POLL_SLICE_S) * 1000), zmq.POLLOUT)
 
@@ -284,3 +352,18 @@ class SchedulerLoop:
     def _count_bad(self, what: str) -> None:
         self.num_protocol_errors += 1
         logger.warning("%s (%d protocol errors so far)", what, self.num_protocol_errors)
+
+
+def _process_alive(pid: int) -> bool:
+    """False once the process has exited (a zombie its parent has not reaped yet included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True

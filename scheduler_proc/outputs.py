@@ -26,6 +26,7 @@ class SchedulerStats:
     num_padded_slot_steps_total: int  # static policy: seat-steps held by finished requests
     prefix_cache_queries_total: int  # tokens
     prefix_cache_hits_total: int  # tokens
+    num_requests_recovered_total: int = 0  # running sequences requeued after their workers were lost
 
 
 class OutputOwner(NamedTuple):
@@ -144,6 +145,7 @@ class OutputBuffer:
             num_padded_slot_steps_total=stats.num_padded_slot_steps_total,
             prefix_cache_queries_total=stats.prefix_cache_queries_total,
             prefix_cache_hits_total=stats.prefix_cache_hits_total,
+            num_requests_recovered_total=stats.num_requests_recovered_total,
             **concat_entries(self._logprobs).as_lp_fields(),
         )
         self._reset()

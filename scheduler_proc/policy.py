@@ -71,6 +71,9 @@ class ContinuousPolicy:
             self._admit(batch, budget)
         return batch
 
+    def drop_batch(self) -> None:
+        """The workers were lost: nothing to give back (the engine requeued every running one)."""
+
     def release(self, request: Request) -> None:
         """A running sequence finished: free its seat and blocks at once."""
         self.queues.running.remove(request)
@@ -142,6 +145,14 @@ class StaticPolicy:
                 batch.add_padding(request)
                 budget -= 1
         return batch
+
+    def drop_batch(self) -> None:
+        """The workers were lost: finished members give back their seats and blocks (live ones
+        were requeued by the engine)."""
+        for seat in self.seats:
+            if seat.is_finished:
+                self.block_manager.free(seat)
+        self.seats.clear()
 
     def release(self, request: Request) -> None:
         """A member finished: it keeps its seat and blocks until the whole batch has finished."""

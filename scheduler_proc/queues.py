@@ -41,16 +41,18 @@ class RequestQueues:
         self.running.append(request)
         return request
 
-    def preempt_newest(self, block_manager: BlockManager) -> Request:
+    def preempt_newest(self, block_manager: BlockManager, counted: bool = True) -> Request:
         """Free the most recently admitted running sequence's blocks and requeue it at the head
-        of waiting; it recomputes prompt + generated tokens (minus cache hits) when admitted again."""
+        of waiting; it recomputes prompt + generated tokens (minus cache hits) when admitted again.
+        counted: a preemption for lack of blocks (not a recovery after lost workers)."""
         victim = self.running.pop()
         block_manager.free(victim)
         victim.preempt()
         self.waiting.appendleft(victim)
         self.num_waiting_tokens += victim.num_tokens
-        self.num_preemptions_total += 1
-        self.preempted.append(victim)
+        if counted:
+            self.num_preemptions_total += 1
+            self.preempted.append(victim)
         return victim
 
     def release_held(self, leader: Request) -> None:

@@ -17,6 +17,7 @@ from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
 from proto.messages import ProcessFailed, ProcessReady, StepPlan, StepResult, WorkerReady
+from worker_proc.faults import FaultInjector
 from worker_proc.null_runner import NullModelRunner
 from worker_proc.runner import ModelRunner, create_runner
 
@@ -51,6 +52,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                                         sockets.max_frame_bytes(config))
         results = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
         log.info("%s starting: model %s", name, config.model or "(null model)")
+        faults = FaultInjector(rank)
         runner = create_runner(config, rank)
     except Exception as exc:  # any start-up failure must reach the supervisor, not just stderr
         log.exception("%s failed to start", name)
@@ -62,7 +64,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     detail = f"model={config.model} num_kv_blocks={runner.num_kv_blocks}"
     sockets.send(control, ProcessReady(name=name, pid=os.getpid(), detail=detail))
     try:
-        serve(runner, plans, results, stop, parent_pid)
+        serve(runner, plans, results, stop, parent_pid, faults=faults)
     finally:
         context.destroy(linger=0)
     log.info("%s stopped", name)
@@ -70,11 +72,13 @@ def run_worker(config: EngineConfig, rank: int) -> int:
 
 
 def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq.Socket,
-          stop: threading.Event, parent_pid: int, counters: FrameCounters | None = None) -> None:
+          stop: threading.Event, parent_pid: int, counters: FrameCounters | None = None,
+          faults: FaultInjector | None = None) -> None:
     """Execute plans until SIGTERM or the parent dies; bad frames and failed steps never end it.
     Every rank answers every step: rank 0 with the tokens, the others with an acknowledgement.
     A frame that is not a StepPlan is counted in `counters` and gets no answer."""
     counters = counters if counters is not None else FrameCounters()
+    faults = faults if faults is not None else FaultInjector(runner.rank, {})
     while not stop.is_set():
         frame = sockets.recv_ready(plans, POLL_TIMEOUT_S)
         if frame is None:
@@ -88,6 +92,7 @@ def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq
             counters.num_protocol_errors += 1
             log.error("dropped a bad frame (%d so far): %s", counters.num_protocol_errors, exc)
             continue
+        faults.fire(plan.step_id)
         result = execute_step(runner, plan)
         counters.num_steps += 1
         sockets.send(results, result)

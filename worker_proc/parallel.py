@@ -23,11 +23,13 @@ _group: dist.ProcessGroup | None = None  # the collectives' group, with the step
 
 
 def init_method_for(config: EngineConfig) -> str:
-    """A file in the private runtime dir on one node; node 0's master address across nodes."""
+    """A file in the private runtime dir on one node, one per worker generation (a replaced group
+    must not read the lost one's rendezvous); node 0's master address across nodes."""
     if config.nnodes > 1:
         host = f"[{config.master_addr}]" if ":" in config.master_addr else config.master_addr
         return f"tcp://{host}:{config.master_port}"
-    return f"file://{os.path.join(config.runtime_dir, 'torch-dist-init')}"
+    name = f"torch-dist-init-{config.worker_generation}"
+    return f"file://{os.path.join(config.runtime_dir, name)}"
 
 
 def init_parallel(rank: int, config: EngineConfig) -> None:

@@ -26,8 +26,12 @@ class WorkerThread:
     """A rank that connects like a real worker, reports ready, and answers plans with FakeWorker."""
 
     def __init__(self, context: zmq.Context, runtime_dir: str, rank: int = 0, answers: bool = True,
-                 error: str = "") -> None:
+                 error: str = "", expected: FakeWorker | None = None) -> None:
+        """expected: a lost worker whose requests this one (its replacement) continues."""
         self.fake = FakeWorker(NUM_BLOCKS, TEST_CONFIG.block_size)
+        if expected is not None:
+            self.fake.sequences = {key: list(tokens) for key, tokens in expected.sequences.items()}
+            self.fake.prompt_lengths = dict(expected.prompt_lengths)
         self.plans = sockets.connect(context, zmq.PULL, runtime_dir, sockets.plan_channel(rank))
         self.results = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.RESULTS)
         self.rank, self.answers, self.error = rank, answers, error

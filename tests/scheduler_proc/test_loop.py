@@ -16,7 +16,7 @@ import zmq
 
 from loop_harness import NUM_BLOCKS, Frontend, WorkerThread, running_loop
 from proto import codec, sockets
-from proto.messages import AbortRequest, ProcessFailed, ProcessReady, StepResult
+from proto.messages import AbortRequest, ProcessFailed, ProcessReady, RestartWorkers, StepResult
 from scheduler_fakes import TEST_CONFIG
 from scheduler_proc.loop import SchedulerLoop
 
@@ -64,21 +64,46 @@ def test_abort_of_one_choice_over_the_wire_ends_only_that_choice() -> None:
         assert loop.num_protocol_errors == 0
 
 
-def test_a_rank_that_does_not_answer_a_step_fails_its_requests_and_stops_the_loop_naming_it() -> None:
-    with running_loop(silent_ranks=(1,), tensor_parallel_size=2, step_timeout_s=0.3) as (
+def test_a_rank_that_does_not_answer_is_named_for_restart_and_without_a_new_group_the_loop_stops() -> None:
+    with running_loop(silent_ranks=(1,), tensor_parallel_size=2, step_timeout_s=0.3, ready_timeout_s=1.0) as (
             loop, frontend, control):
         assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), ProcessReady)
         frontend.add("a", 4, max_tokens=3)
-        frontend.wait_finished("a")
+        restart = codec.decode(sockets.recv_ready(control, 5.0))
+        assert isinstance(restart, RestartWorkers) and restart.ranks.tolist() == [1]
+        assert "worker rank 1 did not answer step" in restart.reason and "--step-timeout" in restart.reason
+        frontend.wait_finished("a")  # nobody replaced the group within --ready-timeout
         assert frontend.log.finish_reasons["a"] == "error"
-        assert "worker rank 1 did not answer step" in frontend.log.error_messages["a"]
+        assert "no worker group after: worker rank 1 did not answer step" in frontend.log.error_messages["a"]
         assert loop.engine.block_manager.num_free_blocks == NUM_BLOCKS
         # its last outputs tell the frontend the engine is going away (/health must not recover)
         assert frontend.log.messages[-1].engine_stopping
         assert not any(m.engine_stopping for m in frontend.log.messages[:-1])
         failed = codec.decode(sockets.recv_ready(control, 5.0))
-        assert isinstance(failed, ProcessFailed) and "worker rank 1 did not answer" in failed.message
-        assert "--step-timeout" in failed.message
+        assert isinstance(failed, ProcessFailed) and "did not report ready" in failed.message
+
+
+def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> None:
+    with running_loop(silent_ranks=(0,), step_timeout_s=0.3, ready_timeout_s=10.0) as (
+            loop, frontend, control):
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), ProcessReady)
+        frontend.add("a", 4, max_tokens=3)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), RestartWorkers)
+        lost = frontend.receive(timeout_s=3.0)
+        while lost.num_worker_restarts_total == 0:  # heartbeats from before the fault
+            lost = frontend.receive(timeout_s=3.0)
+        assert not lost.workers_serving and lost.num_requests_recovered_total == 1
+        assert lost.num_worker_restarts_total == 1 and lost.num_running == 0 and lost.num_waiting == 1
+        frontend.worker.close()  # the supervisor kills a hung rank: it never reconnects
+        replacement = WorkerThread(frontend.requests.context, loop.config.runtime_dir, rank=0,
+                                   expected=frontend.worker.fake)
+        try:
+            frontend.wait_finished("a")
+        finally:
+            replacement.close()
+        assert frontend.log.finish_reasons["a"] == "length" and len(frontend.log.tokens["a"]) == 3
+        assert frontend.log.messages[-1].workers_serving and loop.num_worker_restarts == 1
+        assert loop.num_protocol_errors == 0
 
 
 def test_an_error_on_another_rank_fails_the_step_like_rank_0s_own() -> None:

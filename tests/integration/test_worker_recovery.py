@@ -1,0 +1,137 @@
+"""A worker that dies or hangs mid-generation is replaced and every request finishes as if nothing
+happened: the same text, no error, no lost or repeated token (faults injected through the real
+launcher with CONVEYOR_FAULT_INJECTION, read only by the worker loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from support import children_of, metric_value, sse_events, tiny_config
+
+from deploy.launcher import Stack, StartupError
+
+PROMPTS = [f"Recovery {i}: the quick brown fox" + " jumps over" * (i % 3) for i in range(8)]
+MAX_TOKENS = 24
+# Greedy and seeded-sampled requests: both must come out exactly as an undisturbed run's.
+PARAMS = [{"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.9, "seed": 100 + i}
+          for i in range(len(PROMPTS))]
+
+
+async def _stream(client: httpx.AsyncClient, prompt: str, params: dict) -> tuple[str, str]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, **params}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = sse_events([line async for line in response.aiter_lines()])
+    assert events[-1] == "[DONE]"
+    chunks = [event for event in events[:-1] if event["choices"]]
+    return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+
+def run_burst(url: str) -> list[tuple[str, str]]:
+    async def burst() -> list[tuple[str, str]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(_stream(client, p, q) for p, q in zip(PROMPTS, PARAMS)))
+    return asyncio.run(burst())
+
+
+@pytest.fixture(scope="module")
+def undisturbed(stack: Stack) -> list[tuple[str, str]]:
+    return run_burst(stack.url)
+
+
+def faulty_stack(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, faults: str,
+                 **config: object) -> Stack:
+    monkeypatch.setenv("CONVEYOR_FAULT_INJECTION", faults)
+    return Stack(tiny_config(tiny_model_dir, **config))
+
+
+@contextmanager
+def supervised(stack: Stack) -> Iterator[list[str]]:
+    """The supervisor's watch (what `conveyor serve` runs) in a thread; yields [why it returned]."""
+    stop, reasons = threading.Event(), []
+    thread = threading.Thread(target=lambda: reasons.append(stack.watch(stop.is_set, poll_s=0.2)),
+                              daemon=True)
+    thread.start()
+    try:
+        yield reasons
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("action", ["kill", "exit", "stall"])
+def test_eight_streams_finish_with_undisturbed_text_when_a_worker_dies_or_hangs_mid_generation(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        undisturbed: list[tuple[str, str]], action: str) -> None:
+    faults = f"rank=0,step=6,action={action},once={tmp_path / 'fired'}"
+    with faulty_stack(tiny_model_dir, monkeypatch, faults, step_timeout_s=3.0) as stack, supervised(stack):
+        workers = [c.process.pid for c in stack.children if c.module == "worker_proc"]
+        assert run_burst(stack.url) == undisturbed
+        assert (tmp_path / "fired").exists()
+        assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 1
+        assert metric_value(stack.url, "conveyor:requests_recovered_total") >= 1
+        assert metric_value(stack.url, 'conveyor:request_success_total', finished_reason="error") == 0
+        assert [c.process.pid for c in stack.children if c.module == "worker_proc"] != workers
+        assert httpx.get(f"{stack.url}/health", timeout=5).status_code == 200
+
+
+def test_two_faults_in_a_row_and_a_tensor_parallel_rank_are_recovered_too(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        undisturbed: list[tuple[str, str]]) -> None:
+    faults = (f"rank=1,step=4,action=kill,once={tmp_path / 'first'};"
+              f"rank=0,step=9,action=kill,once={tmp_path / 'second'}")
+    with faulty_stack(tiny_model_dir, monkeypatch, faults, tensor_parallel_size=2) as stack, supervised(stack):
+        assert run_burst(stack.url) == undisturbed
+        assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 2
+
+
+def test_health_is_503_while_the_group_is_replaced_and_200_once_it_serves(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    faults = f"rank=0,step=3,action=stall,once={tmp_path / 'fired'}"
+    with faulty_stack(tiny_model_dir, monkeypatch, faults, step_timeout_s=2.0) as stack, supervised(stack):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{stack.url}/v1/completions", json=body, timeout=60)
+            statuses = []
+            deadline = time.monotonic() + 60
+            while not pending.done() and time.monotonic() < deadline:
+                statuses.append(httpx.get(f"{stack.url}/health", timeout=5).status_code)
+                time.sleep(0.2)
+            response = pending.result()
+        statuses.append(httpx.get(f"{stack.url}/health", timeout=5).status_code)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+    assert 503 in statuses and statuses[-1] == 200  # 503 while replaced, then serving again
+
+
+def test_past_max_restarts_the_stack_stops_naming_the_worker_and_its_causes_and_leaves_no_process(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        with faulty_stack(tiny_model_dir, monkeypatch, "rank=0,step=2,action=exit", max_restarts=2) as stack:
+            body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+            pending = pool.submit(httpx.post, f"{stack.url}/v1/completions", json=body, timeout=120)
+            reason = stack.watch(lambda: False, poll_s=0.2)  # returns once the stack must stop
+            children = [c.process.pid for c in stack.children]
+        try:
+            status = pending.result().status_code
+        except httpx.HTTPError:  # the frontend went away mid-request
+            status = 0
+    assert status != 200  # the request ended with the stack, as an error
+    assert "worker0" in reason and "exited with code 1" in reason and "--max-restarts 2" in reason
+    assert reason.count("exited with code 1") == 3  # this fault and the two restarted for
+    assert not [pid for pid in children_of(os.getpid()) if pid in children]
+
+
+def test_a_bad_fault_spec_stops_the_worker_at_start_up_with_the_reason(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(StartupError, match="CONVEYOR_FAULT_INJECTION: cannot read 'rank=0'"):
+        with faulty_stack(tiny_model_dir, monkeypatch, "rank=0"):
+            pass
