@@ -13,9 +13,11 @@ from pathlib import Path
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError, install_error_handlers
 from frontend.metrics import FrontendMetrics
+from frontend.openapi import install_openapi
 from frontend.routes import chat, completions, misc
 from frontend.state import ServerState
 from frontend.tokenizer import Tokenizer
@@ -45,12 +47,17 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
             yield
         finally:
             await engine_client.close()
+            state.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
     app.state.conveyor = state
     install_error_handlers(app)
     for module in (completions, chat, misc):
         app.include_router(module.router)
+    install_openapi(app)
+    # The last added runs first: the API key, then the body size, then admission.
+    app.add_middleware(AdmissionMiddleware, state=state)
+    app.add_middleware(BodyLimitMiddleware, state=state, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

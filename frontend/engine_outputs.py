@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from proto.messages import ERROR_CODES, StepOutputs
+import numpy as np
+
+from proto.messages import ERROR_CODES, EVENT_QUEUED, StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,8 @@ class TokenLogprob:
 class EngineDelta:
     """One step's news for one choice. `finish_reason` is "" until the choice's single terminal
     delta; `error_code` names the kind of an "error" finish that has one (proto ERROR_CODES, e.g.
-    "queue_full"), else it is empty."""
+    "queue_full"), else it is empty. A request's first delta is an empty one (no tokens, no
+    finish) once the scheduler has queued it, unless its first news is a refusal."""
 
     token_ids: list[int]
     finish_reason: str = ""
@@ -53,6 +56,7 @@ class EngineStats:
     step_id: int
     num_running: int
     num_waiting: int
+    num_waiting_tokens: int
     kv_cache_usage: float
     num_preemptions_total: int
     step_duration_s: float
@@ -149,8 +153,13 @@ class OutputRouter:
     def route(self, outputs: StepOutputs, received_s: float) -> None:
         """Queue each output for its (request, choice); outputs of ended requests are moot."""
         self.latest_stats = EngineStats(
-            outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.kv_cache_usage,
-            outputs.num_preemptions_total, outputs.step_duration_s, outputs.wall_time_s)
+            outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.num_waiting_tokens,
+            outputs.kv_cache_usage, outputs.num_preemptions_total, outputs.step_duration_s,
+            outputs.wall_time_s)
+        for request_id in _queued_request_ids(outputs):  # before this message's tokens
+            route = self._routes.get(request_id)
+            if route is not None:
+                route.put(EngineDelta([], received_s=received_s))
         entries = _logprobs_by_row(outputs)
         # Python lists once per message: numpy scalar indexing per row costs more than the copy.
         num_outputs = outputs.num_outputs
@@ -174,6 +183,14 @@ class OutputRouter:
                 del self._routes[request_id]
         for listener in self._listeners:
             listener.on_step_outputs(outputs)
+
+
+def _queued_request_ids(outputs: StepOutputs) -> list[str]:
+    """Requests this message reports as queued (their choice 0's QUEUED event)."""
+    if not len(outputs.event_kinds):
+        return []
+    queued = (outputs.event_kinds == EVENT_QUEUED) & (outputs.event_choice_indices == 0)  # bool [num_events]
+    return [outputs.event_request_ids[index] for index in np.flatnonzero(queued).tolist()]
 
 
 def _logprobs_by_row(outputs: StepOutputs) -> dict[int, tuple[TokenLogprob, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -15,30 +16,40 @@ from proto.errors import ValidationError
 
 logger = logging.getLogger(__name__)
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+# A queue full now has room within about a step or two; clients (OpenAI's among them) wait this long.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
     """An error with its HTTP status and the fields of OpenAI's error body."""
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, "invalid_request_error", param, code)
+
+
+def too_many_requests(message: str, code: str = "queue_full") -> APIError:
+    """429 with OpenAI's rate-limit body and a Retry-After, which OpenAI's clients honour."""
+    return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limit_error", None, code,
+                    {"Retry-After": str(RETRY_AFTER_S)})
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
@@ -60,9 +71,20 @@ def describe_pydantic_errors(errors: list[dict[str, Any]]) -> APIError:
     message = first.get("msg", "invalid request")
     if param:
         message = f"{param}: {message}"
+    if isinstance(first.get("input"), (str, int, float, bool)):
+        message += f", got {_shown(first['input'])}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return bad_request(message, param)
+
+
+def _shown(value: object) -> str:
+    """A client's value in a message: short, whatever its size (a 10^4-digit int, a 1 MB string)."""
+    try:
+        text = json.dumps(value)
+    except ValueError:  # an int past Python's 4300-digit str() limit
+        return "a number too large to show"
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from starlette.types import Receive
 
@@ -44,9 +44,13 @@ class Generation:
         self._engine = engine
         self._metrics = metrics
         self._abort_requested = False
-        self._started = False  # generate() was called: the scheduler knows the request
         self._abort_sent = False
         self._prompt_recorded = False
+        self._stream: AsyncGenerator[EngineDelta, None] | None = None  # once set, the scheduler knows it
+        self._start_called = False
+        self._pending: list[ChoiceDelta] = []  # what start() read, for deltas() to yield first
+        self._rejected = False  # the engine refused to take it (EngineUnavailableError)
+        self._closed = False
         self._arrival_s = arrival_s
         self._last_token_s: list[float | None] = [None] * params.n  # per choice, receive clock
         self.created_s = int(time.time())  # OpenAI's `created`: wall-clock seconds
@@ -81,36 +85,79 @@ class Generation:
             self.error_message = message
             self._abort_engine()
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        if self._abort_requested:  # the client left before we asked the engine for anything
-            for choice in self.choices:
-                yield choice.end("abort", self.error_message)
+    async def start(self) -> None:
+        """Send the request; return once the scheduler has queued it or has already ended it (a
+        refusal leaves `failure` set). A stream waits here before its first byte, so that a full
+        queue is an HTTP 429 rather than an error event inside a 200 stream. Idempotent."""
+        if self._start_called:
             return
-        self._started = True
-        stream = self._engine.generate(self.request_id, self.job.prompt_token_ids,
-                                       self.job.sampling_params)
-        rejected = False
+        self._start_called = True
+        if self._abort_requested:  # the client left before we asked the engine for anything
+            self._pending = [c.end("abort", self.error_message) for c in self.choices if not c.finish_reason]
+            return
+        self._stream = self._engine.generate(self.request_id, self.job.prompt_token_ids,
+                                             self.job.sampling_params)
         try:
-            async for delta in stream:
-                update = self._consume(delta)
-                if self.finished and not all(c.engine_finished for c in self.choices):
-                    self._abort_engine()  # the rest run on only for choices we already ended
-                elif update is not None and update.finish_reason:
-                    self._abort_choice_if_running(update.index)
+            first = await anext(self._stream)
+        except EngineUnavailableError:
+            self._rejected = True  # the scheduler never took it: nothing to count
+            await self.close()
+            raise
+        except BaseException:
+            await self.close()
+            raise
+        update = self._handle(first)
+        self._pending = [] if update is None else [update]
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        try:
+            await self.start()
+            pending, self._pending = self._pending, []
+            for update in pending:
+                yield update
+            while not self.finished and self._stream is not None:
+                delta = await anext(self._stream, None)
+                if delta is None:
+                    break
+                update = self._handle(delta)
                 if update is not None:
                     yield update
-                if self.finished:
-                    return
-        except EngineUnavailableError:
-            rejected = True  # the scheduler never took it: nothing to count
-            raise
         finally:
-            await self._close(stream, rejected)
+            await self.close()
 
     async def run(self) -> None:
         """Run to the end (every choice final)."""
         async for _ in self.deltas():
             pass
+
+    async def close(self) -> None:
+        """End the run however it went: what the scheduler still runs is aborted, open choices end
+        with "abort", and the request is counted once. Idempotent; the synchronous part comes
+        first, so a cancelled caller still leaves nothing running."""
+        if self._closed:
+            return
+        self._closed = True
+        counted = self._stream is not None and not self._rejected
+        if not self.finished:  # cancelled or closed early: never leave it running
+            self._abort_engine()
+            now_s = time.monotonic()
+            for choice in self.choices:
+                if not choice.finish_reason:
+                    ended = choice.end("abort", self.error_message)
+                    if counted:
+                        self._record(choice, ended, now_s)
+        if counted:
+            self._metrics.record_request_finished(self.num_prompt_tokens)
+        if self._stream is not None:
+            await self._stream.aclose()
+
+    def _handle(self, delta: EngineDelta) -> ChoiceDelta | None:
+        update = self._consume(delta)
+        if self.finished and not all(c.engine_finished for c in self.choices):
+            self._abort_engine()  # the rest run on only for choices we already ended
+        elif update is not None and update.finish_reason:
+            self._abort_choice_if_running(update.index)
+        return update
 
     def _consume(self, delta: EngineDelta) -> ChoiceDelta | None:
         choice = self.choices[delta.choice_index]
@@ -123,19 +170,6 @@ class Generation:
         if choice.finish_reason in FAILURE_REASONS and not self.error_message:
             self.error_message = choice.error_message
         return update
-
-    async def _close(self, stream: AsyncIterator[EngineDelta], rejected: bool) -> None:
-        if not self.finished:  # cancelled or closed early: never leave it running
-            self._abort_engine()
-            now_s = time.monotonic()
-            for choice in self.choices:
-                if not choice.finish_reason:
-                    ended = choice.end("abort", self.error_message)
-                    if not rejected:
-                        self._record(choice, ended, now_s)
-        await stream.aclose()
-        if not rejected:
-            self._metrics.record_request_finished(self.num_prompt_tokens)
 
     def _record(self, choice: ChoiceOutput, update: ChoiceDelta, received_s: float) -> None:
         if update.token_ids:
@@ -158,7 +192,7 @@ class Generation:
 
     def _abort_engine(self) -> None:
         # Our disconnect watcher and Starlette's cancellation can both fire: one abort is enough.
-        if self._started and not self._abort_sent:
+        if self._stream is not None and not self._abort_sent:
             self._abort_sent = True
             self._engine.abort(self.request_id)
 
@@ -176,6 +210,7 @@ async def abort_on_disconnect(receive: Receive, abort: Callable[[], None]) -> As
         abort()
 
     watcher = asyncio.create_task(watch(), name="disconnect-watcher")
+    await asyncio.sleep(0)  # a disconnect already there is seen before the body asks the engine
     try:
         yield
     finally:

@@ -28,6 +28,9 @@ REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10
                      30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
                   2.5, 5.0, 10.0, 30.0)
+# Why a request was refused before it ran: the limit (flag) or the server state that refused it.
+REJECTION_REASONS = ("max_num_waiting", "max_waiting_tokens", "max_request_body_bytes", "draining",
+                     "engine_unavailable")
 OCCUPANCY_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # Scheduler running totals -> our counter names.
 _SCHEDULER_TOTALS = {
@@ -89,6 +92,11 @@ class FrontendMetrics:
                                        ("model_name", "finished_reason"), registry=self.registry)
         for reason in filter(None, FINISH_REASONS):  # every series exists from the start
             self.request_success.labels(model_name, reason)
+        self.request_rejected = Counter(PREFIX + "request_rejected_total",
+                                        "Requests refused before they ran (429, 413, 503), by reason.",
+                                        ("model_name", "reason"), registry=self.registry)
+        for reason in REJECTION_REASONS:
+            self.request_rejected.labels(model_name, reason)
         self.time_to_first_token = histogram("time_to_first_token_seconds",
                                              "Request arrival to a choice's first token.", TTFT_BUCKETS_S)
         self.inter_token_latency = histogram("inter_token_latency_seconds",
@@ -130,6 +138,10 @@ class FrontendMetrics:
 
     def record_request_finished(self, num_prompt_tokens: int) -> None:
         self.request_prompt_tokens.observe(num_prompt_tokens)
+
+    def record_rejection(self, reason: str) -> None:
+        """`reason`: one of REJECTION_REASONS."""
+        self.request_rejected.labels(self._model_name, reason).inc()
 
     # -- EngineListener: the scheduler's messages ---------------------------------------------
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.errors import APIError, describe_pydantic_errors
+from proto.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 
 
 class _Strict(BaseModel):
@@ -19,38 +20,61 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's output format switch; validation.py serves "text" and refuses the JSON modes for now."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+def _documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose limits the schema states for clients and fuzzers; SamplingParams.validate()
+    and validation.py enforce them, with messages that name the limit and the value."""
+    return Field(default=default, json_schema_extra=schema)
+
+
 class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: int | None = _documented(minimum=1)
+    temperature: float | None = _documented(minimum=0, maximum=100)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    n: int | None = _documented(minimum=1, maximum=MAX_N)
     best_of: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = _documented(minimum=-(2**63), maximum=2**63 - 1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    logit_bias: dict[str, float] | None = _documented(
+        maxProperties=MAX_LOGIT_BIAS_ENTRIES, propertyNames={"pattern": "^[0-9]{1,9}$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions
     ignore_eos: bool = False
-    min_tokens: int = 0
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = _documented(0, minimum=0)
+    top_k: int | None = _documented(minimum=-1)  # at most the vocabulary size
+    min_p: float | None = _documented(minimum=0, maximum=1)
+    repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=10)
+    stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
+                                                   items={"type": "integer", "minimum": 0})
 
 
 class CompletionRequest(SamplingFields):
-    # Any: the allowed shapes (text, token ids, a batch of one) get one precise message in prompts.py.
-    prompt: Any = None
+    # Required in the schema; a missing one still gets validation.py's own message.
+    model_config = ConfigDict(json_schema_extra={"required": ["prompt"]})
+    # Any: the allowed shapes (text, token ids, a batch of one) get one precise message in
+    # validation.py; the schema still names them, so clients and fuzzers see the real shapes.
+    prompt: Any = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "string"}, "maxItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "maxItems": 1}]})
     echo: bool | None = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -58,15 +82,16 @@ class ChatMessage(BaseModel):
     stay dicts here; validation.py accepts text parts only, with a message naming the part."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra={"required": ["messages"]})
+    messages: list[ChatMessage] = Field(default_factory=list, json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = _documented(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 

@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import TypeVar
 
 from fastapi import Request
 
 from frontend.engine_client import EngineClient
-from frontend.errors import APIError
+from frontend.errors import APIError, too_many_requests
 from frontend.generation import Generation
 from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
 from frontend.validation import ModelLimits
 from proto.config import EngineConfig
 
+# The scheduler's refusal codes for a full queue (proto ERROR_CODES) -> the limit that refused.
+QUEUE_LIMIT_OF_ERROR_CODE = {"queue_full": "max_num_waiting", "waiting_tokens_full": "max_waiting_tokens"}
+NUM_PREPARE_THREADS = 2  # parsing, chat templates and tokenizing; the tokenizer lets go of the GIL
+
+Result = TypeVar("Result")
+
 
 @dataclass
 class ServerState:
-    """Owned by the app; `draining` flips once on SIGTERM and never back."""
+    """Owned by the app; `draining` flips once on SIGTERM and never back.
+
+    `num_in_flight` counts generation requests from arrival (before their body is read) to the
+    end of their response (AdmissionMiddleware); `active` holds those that have a Generation.
+    """
 
     config: EngineConfig
     engine: EngineClient
@@ -32,11 +44,10 @@ class ServerState:
     max_in_flight: int  # the frontend's own admission limit (429 beyond it)
     draining: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
+    num_in_flight: int = 0
     active: set[Generation] = field(default_factory=set)
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.active)
+    prepare_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        NUM_PREPARE_THREADS, thread_name_prefix="prepare"))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.config.model):
@@ -44,32 +55,48 @@ class ServerState:
                            f"The model `{name}` does not exist. This server serves: `{self.model_name}`",
                            "invalid_request_error", "model", "model_not_found")
 
-    def check_admission(self) -> None:
-        """503 while draining or without a live scheduler, 429 at the in-flight limit."""
+    def check_serving(self) -> None:
+        """503 while draining or without a live scheduler."""
         if self.draining:
+            self.metrics.record_rejection("draining")
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down",
                            "server_error", None, "draining")
         if not self.engine.is_alive():
+            self.metrics.record_rejection("engine_unavailable")
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
                            "the engine is not available (no recent message from the scheduler)",
                            "server_error", None, "engine_unavailable")
-        if self.num_in_flight >= self.max_in_flight:
-            raise APIError(HTTPStatus.TOO_MANY_REQUESTS,
-                           f"too many requests in flight: the limit is {self.max_in_flight}",
-                           "rate_limit_error", None, "queue_full")
 
-    @contextlib.contextmanager
-    def track_request(self, generation: Generation) -> Iterator[None]:
-        self.active.add(generation)
-        try:
-            yield
-        finally:
-            self.active.discard(generation)
+    def check_admission(self) -> None:
+        """What can be known before a request's body is read: 503 (check_serving), or 429 when
+        this frontend has max_in_flight requests or the scheduler last reported its waiting queue
+        full by count or by prompt tokens. The exact token check is the scheduler's own."""
+        self.check_serving()
+        if self.num_in_flight >= self.max_in_flight:
+            raise self._refused("max_num_waiting", f"too many requests in flight: the limit is "
+                                f"{self.max_in_flight} (max_num_seqs + max_num_waiting)")
+        stats, config = self.engine.latest_stats, self.config
+        if stats is not None and stats.num_waiting >= config.max_num_waiting:
+            raise self._refused("max_num_waiting", f"the waiting queue is full: {stats.num_waiting} "
+                                f"requests are waiting and max_num_waiting is {config.max_num_waiting}")
+        if stats is not None and stats.num_waiting_tokens >= config.max_waiting_tokens:
+            raise self._refused("max_waiting_tokens", f"the waiting queue is full: "
+                                f"{stats.num_waiting_tokens} prompt tokens are waiting and "
+                                f"max_waiting_tokens is {config.max_waiting_tokens}")
+
+    async def prepare(self, work: Callable[[], Result]) -> Result:
+        """Run CPU work for one request (parse, template, tokenize) off the event loop, so that
+        /health, /metrics and other clients' streams are served meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, work)
 
     def abort_all(self, message: str) -> None:
         """End every in-flight request now (each still gets its terminal response)."""
         for generation in list(self.active):
             generation.abort(message)
+
+    def _refused(self, limit: str, message: str) -> APIError:
+        self.metrics.record_rejection(limit)
+        return too_many_requests(message)
 
 
 def get_state(request: Request) -> ServerState:

@@ -28,10 +28,13 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
         self.eos_token_id = self._id_of(self.special_tokens.get("eos_token"))
-        decoder_types = _decoder_types(json.loads(backend.to_str()).get("decoder"))
+        backend_json = json.loads(backend.to_str())
+        decoder_types = _decoder_types(backend_json.get("decoder"))
         self._byte_level = "ByteLevel" in decoder_types
         self._sentencepiece = bool({"ByteFallback", "Metaspace"} & decoder_types)
         self._token_bytes: dict[int, bytes] = {}
+        # 0 = no bound known: the text's length then says nothing about its token count.
+        self.max_token_bytes = self._longest_piece() if covers_every_byte(backend_json) else 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -50,7 +53,14 @@ class Tokenizer:
         return cls(backend, config, _find_chat_template(model_dir, config))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode does not), so a long prompt
+        # tokenized in a worker thread leaves the event loop free for other clients.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, known without tokenizing it: every token stands
+        for at most `max_token_bytes` of the text's bytes (and a character is at least one byte)."""
+        return -(-len(text) // self.max_token_bytes) if self.max_token_bytes else 0
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -93,6 +103,9 @@ class Tokenizer:
             return piece.replace(_SENTENCEPIECE_SPACE, " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    def _longest_piece(self) -> int:
+        return max(len(self._piece_bytes(token_id)) for token_id in range(self.vocab_size))
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
@@ -112,6 +125,35 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def covers_every_byte(backend_json: dict[str, Any]) -> bool:
+    """Whether each token stands for a piece of the client's text itself: no normalizer or
+    pre-tokenizer that drops or merges characters, and no unknown token that swallows a run of
+    them. True for the Llama family's byte-level and byte-fallback BPE tokenizers."""
+    model = backend_json.get("model") or {}
+    lossless_model = model.get("type") == "BPE" and (model.get("byte_fallback") or not model.get("fuse_unk"))
+    return (lossless_model and _only_growing(backend_json.get("normalizer"), _GROWING_NORMALIZERS)
+            and _only_growing(backend_json.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS))
+
+
+_GROWING_NORMALIZERS = frozenset({"Prepend", "Replace"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
+
+
+def _only_growing(step: dict[str, Any] | None, kinds: frozenset[str]) -> bool:
+    """A normalizer or pre-tokenizer (or a Sequence of them) that never shortens the text."""
+    if step is None:
+        return True
+    if step.get("type") == "Sequence":
+        members = step.get("normalizers") or step.get("pretokenizers") or []
+        return all(_only_growing(member, kinds) for member in members)
+    if step.get("type") not in kinds or step.get("behavior") == "Removed":
+        return False
+    if step.get("type") == "Replace":  # only a plain string replaced by one at least as long
+        pattern = (step.get("pattern") or {}).get("String")
+        return isinstance(pattern, str) and len(step.get("content", "").encode()) >= len(pattern.encode())
+    return True
 
 
 def _decoder_types(decoder: dict[str, Any] | None) -> set[str]:

@@ -9,7 +9,7 @@ from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from frontend.tokenizer import Tokenizer
 from proto.errors import ValidationError
-from proto.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from proto.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, check_top_k
 
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
@@ -45,7 +45,7 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: Mod
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
     prompt = _single_prompt(request.prompt)
-    prompt_ids = completion_prompt_ids(prompt, tokenizer, limits.vocab_size)
+    prompt_ids = completion_prompt_ids(prompt, tokenizer, limits)
     room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
     default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
@@ -62,7 +62,8 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     top_logprobs = _check_num_logprobs(request.top_logprobs, "top_logprobs")
     if request.tools:
         raise bad_request("tools are not supported", "tools")
-    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request.add_generation_prompt)
+    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request.add_generation_prompt,
+                                 limits.max_model_len)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages")
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
@@ -79,13 +80,16 @@ def _single_prompt(prompt: Any) -> Any:
     return prompt
 
 
-def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A string or a list of token ids (a batch of one already unwrapped by `_single_prompt`)."""
+def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
+    """A string or a list of token ids (a batch of one already unwrapped by `_single_prompt`).
+    A prompt too long for the model is refused before its tokens are made or checked one by one."""
     if isinstance(prompt, str):
+        check_text_fits(prompt, tokenizer, limits.max_model_len, "prompt")
         token_ids = tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         token_ids = prompt
-        check_token_ids(token_ids, vocab_size, "prompt")
+        _check_prompt_fits(token_ids, None, limits, "prompt")
+        check_token_ids(token_ids, limits.vocab_size, "prompt")
     elif prompt is None:
         raise bad_request("prompt is required", "prompt")
     else:
@@ -95,21 +99,35 @@ def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) ->
     return token_ids
 
 
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
-                    add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool,
+                    max_model_len: int) -> list[int]:
+    """The rendered conversation's token ids; 400 at once when its text alone is certainly longer
+    than `max_model_len` tokens (see `check_text_fits`)."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     template_messages = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        return tokenizer.encode_chat(template_messages, add_generation_prompt)
+        text = tokenizer.render_chat(template_messages, add_generation_prompt)
     except ValueError as exc:  # ChatTemplateError, or the model has no chat template
         raise bad_request(str(exc), "messages") from exc
+    check_text_fits(text, tokenizer, max_model_len, "messages")
+    # The template already writes bos and friends, so encoding must not add them again.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
+    """400 without tokenizing when `text` has at least max_model_len tokens by its length alone:
+    tokenizing megabytes costs seconds of CPU for a request that must fail anyway."""
+    at_least = tokenizer.min_num_tokens(text)
+    if at_least >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the "
+                          f"prompt has at least {at_least} tokens ({len(text)} characters, no token "
+                          f"longer than {tokenizer.max_token_bytes} bytes)", param,
+                          "context_length_exceeded")
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     """Text parts joined by newlines, as templates written for string content expect."""
-    if not message.role:
-        raise bad_request(f"messages[{index}].role must not be empty", f"messages.{index}.role")
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -125,6 +143,12 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
 
 
 def _check_choices(request: SamplingFields) -> None:
+    """n, best_of and response_format: what the request asks the server to return."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        raise bad_request(f"response_format type {response_format.type!r} is not supported yet: "
+                          f"send {{\"type\": \"text\"}} or leave response_format out",
+                          "response_format", "unsupported_response_format")
     n = _or(request.n, 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
@@ -179,6 +203,7 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
 def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
                      logprob_fields: dict[str, int]) -> SamplingParams:
     try:
+        check_top_k(_or(request.top_k, 0), vocab_size)  # before the int32 bound of construction
         params = SamplingParams(
             n=_or(request.n, 1),
             max_tokens=max_tokens,
@@ -193,7 +218,7 @@ def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
             min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
             stop_token_ids=tuple(request.stop_token_ids or ()),
-            logit_bias=_logit_bias(request.logit_bias),
+            logit_bias=_logit_bias(request.logit_bias, vocab_size),
             **logprob_fields,
         )
         params.validate(vocab_size)
@@ -202,11 +227,15 @@ def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
     return params
 
 
-def _logit_bias(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """JSON keys are strings: each must spell a token id in ASCII digits ("²" and "-1" do not)."""
     entries = []
     for key, bias in (logit_bias or {}).items():
-        if not key.isdigit():
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
+        if len(key.lstrip("0")) > len(str(vocab_size)):  # also spares int() a 4300-digit string
+            raise bad_request(f"logit_bias token id {key[:40]} is out of range for a vocabulary "
+                              f"of {vocab_size}", "logit_bias")
         entries.append((int(key), bias))
     return tuple(entries)
 

@@ -59,7 +59,7 @@ class SamplingParams:
         _check_type("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
             raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check_top_k(self.top_k, vocab_size)
+        check_top_k(self.top_k, vocab_size)
         _check_type("min_p", self.min_p, float)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_type("repetition_penalty", self.repetition_penalty, float)
@@ -149,7 +149,7 @@ def _check_range(name: str, value: float, low: float | None, high: float | None)
         raise ValidationError(f"{name} must be <= {high}, got {value}", name)
 
 
-def _check_top_k(top_k: object, vocab_size: int | None) -> None:
+def check_top_k(top_k: object, vocab_size: int | None) -> None:
     """-1 or 0 turn it off; above that at most the vocabulary (the plan carries it as int32)."""
     _check_type("top_k", top_k, int)
     limit, what = (vocab_size, "the vocabulary size") if vocab_size else (MAX_INT32, "int32")

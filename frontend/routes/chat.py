@@ -11,11 +11,12 @@ from fastapi.responses import Response
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.generation import Generation
 from frontend.logprobs import chat_logprobs
+from frontend.openapi import request_body
 from frontend.protocol import ChatCompletionRequest, parse_body
 from frontend.routes.serving import serve_job
-from frontend.state import get_state
+from frontend.state import ServerState, get_state
 from frontend.tokenizer import Tokenizer
-from frontend.validation import chat_job
+from frontend.validation import GenerationJob, chat_job
 
 router = APIRouter()
 
@@ -61,11 +62,16 @@ def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     arrival_s = time.monotonic()
     state = get_state(request)
-    body = parse_body(await request.body(), ChatCompletionRequest)
-    state.check_model(body.model)
-    job = chat_job(body, state.tokenizer, state.limits)
+    raw = await request.body()
+    job = await state.prepare(lambda: _prepare(raw, state))
     return await serve_job(state, request, job, ChatFormat(state.tokenizer), arrival_s)
+
+
+def _prepare(raw: bytes, state: ServerState) -> GenerationJob:
+    body = parse_body(raw, ChatCompletionRequest)
+    state.check_model(body.model)
+    return chat_job(body, state.tokenizer, state.limits)

@@ -11,11 +11,12 @@ from fastapi.responses import Response
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.generation import Generation
 from frontend.logprobs import CompletionLogprobs, prompt_entries
+from frontend.openapi import request_body
 from frontend.protocol import CompletionRequest, parse_body
 from frontend.routes.serving import serve_job
-from frontend.state import get_state
+from frontend.state import ServerState, get_state
 from frontend.tokenizer import Tokenizer
-from frontend.validation import completion_job
+from frontend.validation import GenerationJob, completion_job
 
 router = APIRouter()
 
@@ -65,11 +66,16 @@ def _choice(index: int, text: str, logprobs: dict[str, Any] | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     arrival_s = time.monotonic()
     state = get_state(request)
-    body = parse_body(await request.body(), CompletionRequest)
-    state.check_model(body.model)
-    job = completion_job(body, state.tokenizer, state.limits)
+    raw = await request.body()
+    job = await state.prepare(lambda: _prepare(raw, state))
     return await serve_job(state, request, job, CompletionFormat(state.tokenizer), arrival_s)
+
+
+def _prepare(raw: bytes, state: ServerState) -> GenerationJob:
+    body = parse_body(raw, CompletionRequest)
+    state.check_model(body.model)
+    return completion_job(body, state.tokenizer, state.limits)

@@ -9,9 +9,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from frontend.errors import bad_request
+from frontend.openapi import request_body
 from frontend.protocol import DetokenizeRequest, TokenizeRequest, parse_body
-from frontend.state import get_state
-from frontend.validation import chat_prompt_ids, check_token_ids
+from frontend.state import ServerState, get_state
+from frontend.validation import chat_prompt_ids, check_text_fits, check_token_ids
 
 router = APIRouter()
 
@@ -45,24 +46,34 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict:
     state = get_state(request)
-    body = parse_body(await request.body(), TokenizeRequest)
+    raw = await request.body()
+    return await state.prepare(lambda: _tokenize(parse_body(raw, TokenizeRequest), state))
+
+
+def _tokenize(body: TokenizeRequest, state: ServerState) -> dict:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of `prompt` or `messages`")
+    max_model_len = state.limits.max_model_len
     if body.messages is not None:
-        tokens = chat_prompt_ids(body.messages, state.tokenizer, body.add_generation_prompt)
+        tokens = chat_prompt_ids(body.messages, state.tokenizer, body.add_generation_prompt, max_model_len)
     else:
+        check_text_fits(body.prompt, state.tokenizer, max_model_len, "prompt")
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.limits.max_model_len}
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict:
     state = get_state(request)
-    body = parse_body(await request.body(), DetokenizeRequest)
+    raw = await request.body()
+    return await state.prepare(lambda: _detokenize(parse_body(raw, DetokenizeRequest), state))
+
+
+def _detokenize(body: DetokenizeRequest, state: ServerState) -> dict:
     state.check_model(body.model)
     check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
     return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}

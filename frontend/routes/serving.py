@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineUnavailableError
-from frontend.errors import APIError
+from frontend.errors import APIError, too_many_requests
 from frontend.generation import Generation, abort_on_disconnect
-from frontend.state import ServerState
+from frontend.state import QUEUE_LIMIT_OF_ERROR_CODE, ServerState
 from frontend.validation import GenerationJob
 
 
@@ -41,30 +42,59 @@ class ResponseFormat(Protocol):
 
 async def serve_job(state: ServerState, request: Request, job: GenerationJob, fmt: ResponseFormat,
                     arrival_s: float) -> Response:
-    """Admit, run and answer one validated job; `arrival_s` is time.monotonic() at arrival."""
-    state.check_admission()
+    """Run and answer one validated job; `arrival_s` is time.monotonic() at arrival. A stream's
+    headers wait until the scheduler has queued the request, so a refusal keeps its status."""
+    state.check_serving()
     request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     generation = Generation(state.engine, state.tokenizer, state.metrics, request_id, job, arrival_s)
-    if job.stream:
-        return StreamingResponse(_sse_events(state, request, generation, fmt),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    with state.track_request(generation):
+    state.active.add(generation)
+    handed_over = False
+    try:
         async with abort_on_disconnect(request.receive, generation.abort):
             try:
-                await generation.run()
+                await (generation.start() if job.stream else generation.run())
             except EngineUnavailableError as exc:
                 raise _unavailable(exc) from exc
-    if generation.failure is not None:
-        return _failure(generation).response()
-    body = _envelope(state, generation, fmt.object_name)
-    body["choices"] = [fmt.final_choice(generation, choice) for choice in generation.choices]
-    body["usage"] = _usage(generation)
-    return JSONResponse(body)
+        if generation.failure is not None:
+            return _failure(state, generation).response()
+        if job.stream:
+            handed_over = True
+            return GenerationStream(_sse_events(state, request, generation, fmt),
+                                    lambda: _end(state, generation))
+        body = _envelope(state, generation, fmt.object_name)
+        body["choices"] = [fmt.final_choice(generation, choice) for choice in generation.choices]
+        body["usage"] = _usage(generation)
+        return JSONResponse(body)
+    finally:
+        if not handed_over:
+            await _end(state, generation)
+
+
+async def _end(state: ServerState, generation: Generation) -> None:
+    state.active.discard(generation)
+    await generation.close()
+
+
+class GenerationStream(StreamingResponse):
+    """SSE that ends its generation however the response ends: a client gone before the first
+    byte means Starlette never starts the body iterator, so nothing inside it could clean up."""
+
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._on_close()
 
 
 async def _sse_events(state: ServerState, request: Request, generation: Generation,
-                      fmt: ResponseFormat) -> AsyncIterator[str]:
+                      fmt: ResponseFormat) -> AsyncGenerator[str, None]:
     include_usage = generation.job.include_usage
     envelope = _envelope(state, generation, fmt.chunk_object_name)
     if include_usage:
@@ -73,40 +103,42 @@ async def _sse_events(state: ServerState, request: Request, generation: Generati
     def chunk(choice: dict[str, Any]) -> str:
         return _sse({**envelope, "choices": [choice]})
 
-    with state.track_request(generation):
-        async with abort_on_disconnect(request.receive, generation.abort):
-            for first in fmt.first_choices(generation):
-                yield chunk(first)
-            try:
-                async for delta in generation.deltas():
-                    choice = fmt.chunk_choice(generation, delta)
-                    if choice is not None:
-                        yield chunk(choice)
-                    if delta.finish_reason in ("stop", "length"):
-                        yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))
-            except EngineUnavailableError as exc:
-                yield _sse(_unavailable(exc).body())
-            else:
-                if generation.failure is not None:
-                    yield _sse(_failure(generation).body())
-                elif include_usage:
-                    yield _sse({**envelope, "choices": [], "usage": _usage(generation)})
-            yield "data: [DONE]\n\n"
+    async with abort_on_disconnect(request.receive, generation.abort):
+        for first in fmt.first_choices(generation):
+            yield chunk(first)
+        try:
+            async for delta in generation.deltas():
+                choice = fmt.chunk_choice(generation, delta)
+                if choice is not None:
+                    yield chunk(choice)
+                if delta.finish_reason in ("stop", "length"):
+                    yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))
+        except EngineUnavailableError as exc:
+            yield _sse(_unavailable(exc).body())
+        else:
+            if generation.failure is not None:
+                yield _sse(_failure(state, generation).body())
+            elif include_usage:
+                yield _sse({**envelope, "choices": [], "usage": _usage(generation)})
+        yield "data: [DONE]\n\n"
 
 
 def _unavailable(exc: EngineUnavailableError) -> APIError:
     return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error")
 
 
-def _failure(generation: Generation) -> APIError:
-    """The error a request that did not finish normally reports (429 for a full scheduler queue)."""
+def _failure(state: ServerState, generation: Generation) -> APIError:
+    """The error a request that did not finish normally reports (429 for a full scheduler queue,
+    counted by the limit that refused it)."""
     failed = generation.failure
     assert failed is not None, "only a request with a failed choice has a failure"
     message = generation.error_message or failed.error_message or "the request was aborted"
     if failed.finish_reason == "abort":
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, "aborted")
-    if failed.error_code == "queue_full":  # the scheduler's admission said so, by code
-        return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limit_error", None, "queue_full")
+    limit = QUEUE_LIMIT_OF_ERROR_CODE.get(failed.error_code)  # the scheduler said so, by code
+    if limit is not None:
+        state.metrics.record_rejection(limit)
+        return too_many_requests(message)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
 
 

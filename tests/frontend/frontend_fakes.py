@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
+from proto import codec
 from proto.messages import (ERROR_NONE, EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED,
-                            EVENT_QUEUED, EVENT_SCHEDULED, StepOutputs)
+                            EVENT_QUEUED, EVENT_SCHEDULED, AddRequest, StepOutputs)
 from proto.sampling import SamplingParams
 
 QUEUE_S, PREFILL_S, DECODE_STEP_S = 0.25, 0.5, 0.125  # fake scheduler clock per phase
@@ -52,7 +53,9 @@ class FakeEngineClient:
     A choice ends with "length" when max_tokens cuts its reply, else with `finish_reason`. With
     `hang` it sends the replies but never finishes (until aborted, or `finish_running`); with
     `fail_with` it errors at once (with the ERROR_* code `fail_code`). Every step is routed at
-    once; the request's stream then reads them at its own pace.
+    once; the request's stream then reads them at its own pace (with `hold`, only once released).
+    A coded failure (a full queue) is
+    a refusal at admission, as the scheduler's: no lifecycle event but FINISHED.
     """
 
     def __init__(self, reply_token_ids: list[int]) -> None:
@@ -63,9 +66,12 @@ class FakeEngineClient:
         self.fail_with = ""
         self.fail_code = ERROR_NONE
         self.hang = False
+        self.hold = False  # the scheduler says nothing (not even "queued") until release_held()
+        self.held: list[tuple[str, list[int], SamplingParams]] = []
         self.preempt = False  # each request is preempted once, after its first token
         self.alive = True
         self.num_running, self.num_waiting, self.kv_cache_usage = 2, 3, 0.25
+        self.num_waiting_tokens = 40
         self.max_num_seqs = 4
         self.num_cached_tokens = 0
         self.scheduler_protocol_errors = 0
@@ -100,10 +106,23 @@ class FakeEngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]:
         route = self.router.open(request_id, sampling_params.n)
-        self.added.append(AddedRequest(request_id, list(prompt_token_ids), sampling_params))
-        self._run(request_id, list(prompt_token_ids), sampling_params)
+        # Through the real codec, as the ZMQ client sends it: what cannot travel fails here too.
+        wire = codec.decode(codec.encode(AddRequest(request_id, np.asarray(prompt_token_ids, np.int32),
+                                                    sampling_params, time.time())))
+        self.added.append(AddedRequest(request_id, wire.prompt_token_ids.tolist(), wire.sampling_params))
+        if self.hold:
+            self.held.append((request_id, list(prompt_token_ids), sampling_params))
+        else:
+            self._run(request_id, list(prompt_token_ids), sampling_params)
         async for delta in route.deltas():
             yield delta
+
+    def release_held(self) -> None:
+        """Answer the held requests that are still open, as `hold` had been off."""
+        held, self.held, self.hold = self.held, [], False
+        for request_id, prompt, params in held:
+            if self.router.is_open(request_id):
+                self._run(request_id, prompt, params)
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -133,6 +152,10 @@ class FakeEngineClient:
 
     def _run(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         choices = range(params.n)
+        if self.fail_with and self.fail_code != ERROR_NONE:  # refused at admission: never queued
+            rows = [_Row(c, [], "error", self.fail_with, self.fail_code) for c in choices]
+            self._send(request_id, rows, [(request_id, c, EVENT_FINISHED) for c in choices], step=False)
+            return
         events = [(request_id, c, EVENT_QUEUED) for c in choices]
         self._send(request_id, [], events, step=False)
         self._clock_s += QUEUE_S
@@ -203,6 +226,7 @@ class FakeEngineClient:
             finish_reasons=[r.finish_reason for r in rows],
             error_messages=[r.error_message for r in rows],
             num_running=self.num_running, num_waiting=self.num_waiting,
+            num_waiting_tokens=self.num_waiting_tokens,
             kv_cache_usage=self.kv_cache_usage, num_preemptions_total=self.totals["num_preemptions_total"],
             step_duration_s=STEP_DURATION_S if step else 0.0, wall_time_s=self._clock_s,
             choice_indices=np.array([r.choice for r in rows], dtype=np.int32),

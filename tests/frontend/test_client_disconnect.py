@@ -26,6 +26,7 @@ class LeavingClient:
     def __init__(self, body: dict) -> None:
         self.leave = asyncio.Event()
         self.chunks: list[bytes] = []
+        self.status: int | None = None  # from http.response.start, once sent
         self._body = json.dumps(body).encode()
 
     async def receive(self) -> dict:
@@ -37,6 +38,8 @@ class LeavingClient:
 
     async def send(self, message: dict) -> None:
         await asyncio.sleep(0)  # a real socket write lets other tasks run
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
         if message["type"] == "http.response.body" and message.get("body"):
             self.chunks.append(message["body"])
 
@@ -84,3 +87,36 @@ async def test_client_leaving_before_the_engine_is_asked_sends_nothing_to_the_en
     client.leave.set()  # gone before the first chunk (the role) has even been sent
     await asyncio.wait_for(app(http_scope("/v1/chat/completions", "2.4"), client.receive, client.send), 5)
     assert engine.added == [] and engine.aborted == []
+
+
+async def test_client_leaving_a_stream_while_it_waits_to_be_queued_aborts_it_and_sends_no_byte(
+        config, engine, tokenizer):
+    engine.hold = True  # the scheduler has not said "queued" yet: no status line can go out
+    app = create_app(config, engine, tokenizer)
+    client = LeavingClient({"prompt": "x", "stream": True})
+    serving = asyncio.create_task(app(http_scope("/v1/completions", "2.4"), client.receive, client.send))
+    while not engine.added:
+        await asyncio.sleep(0.01)
+    client.leave.set()
+    await asyncio.wait_for(serving, timeout=5)
+    assert engine.aborted == [engine.added[0].request_id]
+    assert app.state.conveyor.num_in_flight == 0 and not app.state.conveyor.active
+
+
+async def test_a_stream_sends_its_status_line_only_once_the_scheduler_has_queued_it(
+        config, engine, tokenizer):
+    engine.hold = True
+    app = create_app(config, engine, tokenizer)
+    client = LeavingClient({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    serving = asyncio.create_task(app(http_scope("/v1/chat/completions", "2.4"),
+                                      client.receive, client.send))
+    while not engine.added:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert client.status is None  # a refusal could still come: no 200 yet
+    engine.release_held()
+    while b"[DONE]" not in b"".join(client.chunks):
+        await asyncio.sleep(0.01)
+    assert client.status == 200 and b" capital" in b"".join(client.chunks)
+    client.leave.set()
+    await asyncio.wait_for(serving, timeout=5)

@@ -50,7 +50,9 @@ BAD_CHATS = [
     ({"messages": []}, "messages", "empty"),
     ({"messages": "hi"}, "messages", "valid array"),
     ({"messages": [{"content": "hi"}]}, "messages.0.role", "required"),
-    ({"messages": [{"role": 3, "content": "hi"}]}, "messages.0.role", "valid string"),
+    ({"messages": [{"role": 3, "content": "hi"}]}, "messages.0.role", "got 3"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role",
+     "Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', got \"wizard\""),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only text parts"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
@@ -145,7 +147,7 @@ async def test_server_keeps_serving_after_every_bad_request(client):
     assert response.status_code == 200
 
 
-async def test_engine_error_is_a_500_and_a_full_queue_a_429_by_its_code_not_its_text(client, engine, sse):
+async def test_engine_error_is_a_500_and_a_full_queue_a_429_by_its_code_not_its_text(client, engine):
     engine.fail_with = "worker rank 0 failed: out of memory"
     response = await client.post("/v1/completions", json={"prompt": "x"})
     assert_openai_error(response, 500, None, "out of memory")
@@ -158,9 +160,10 @@ async def test_engine_error_is_a_500_and_a_full_queue_a_429_by_its_code_not_its_
     assert_openai_error(response, 429, None, "try again later")
     error = response.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+    assert response.headers["retry-after"] == "1"
     streamed = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
-    events, done = sse(streamed.text)
-    assert done and events[-1]["error"]["code"] == "queue_full"
+    assert_openai_error(streamed, 429, None, "try again later")  # a status, not a 200 stream
+    assert streamed.headers["retry-after"] == "1"
 
 
 async def test_engine_error_while_streaming_sends_an_error_event_then_done(client, engine, sse):

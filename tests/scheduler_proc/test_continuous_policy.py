@@ -73,7 +73,7 @@ def test_decodes_go_first_and_prefill_gets_the_rest_of_the_budget() -> None:
 def test_seat_limit_caps_the_running_set_at_every_step() -> None:
     harness = Harness(max_num_seqs=3)
     for index in range(7):
-        harness.add(f"r{index}", 3, max_tokens=4)
+        harness.add(f"r{index}", 3, max_tokens=2 + index % 3)  # seats free on different steps
     while True:
         num_unfinished = 7 - len(harness.log.finish_reasons)
         plan = harness.step()

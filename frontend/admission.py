@@ -1,0 +1,80 @@
+"""The HTTP edge's first answers: requests refused before any work is spent on them.
+
+Both middlewares are pure ASGI, so streams pass through untouched. Order (outermost first): the
+API key check, BodyLimitMiddleware, AdmissionMiddleware, then the app.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from frontend.errors import APIError
+from frontend.state import ServerState
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class AdmissionMiddleware:
+    """A generation request is refused (429 with Retry-After, or 503) before its body is read,
+    or else counted in `num_in_flight` until its response has ended, however it ends (a client
+    gone before the first byte included). Everything expensive happens inside that count."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self._state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._state.check_admission()
+        except APIError as refusal:
+            await refusal.response()(scope, receive, send)
+            return
+        self._state.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._state.num_in_flight -= 1
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`: at once when Content-Length says so, else as soon
+    as the bytes received pass the limit (a chunked upload), never buffering beyond it."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, max_bytes: int) -> None:
+        self.app = app
+        self._state = state
+        self._max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self._max_bytes:
+            too_large = self._too_large(f"Content-Length is {int(declared)} bytes and the limit is")
+            await too_large.response()(scope, receive, send)
+            return
+        num_received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > self._max_bytes:  # the route's body read raises: a 413 body
+                    raise self._too_large("it is longer than the limit of")
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+    def _too_large(self, what: str) -> APIError:
+        self._state.metrics.record_rejection("max_request_body_bytes")
+        return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        f"the request body is too large: {what} {self._max_bytes} bytes "
+                        f"(--max-request-body-size)", "invalid_request_error", None,
+                        "request_too_large")
