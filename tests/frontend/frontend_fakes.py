@@ -117,6 +117,10 @@ class FakeEngineClient:
         async for delta in route.deltas():
             yield delta
 
+    def heartbeat(self) -> None:
+        """An idle scheduler's message: the current stats and nothing else."""
+        self._send("", [], [], step=False)
+
     def release_held(self) -> None:
         """Answer the held requests that are still open, as `hold` had been off."""
         held, self.held, self.hold = self.held, [], False

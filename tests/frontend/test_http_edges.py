@@ -8,6 +8,7 @@ import time
 import pytest
 
 from frontend.app import create_app
+from proto.messages import ERROR_WAITING_TOKENS_FULL
 
 pytestmark = pytest.mark.anyio
 
@@ -149,3 +150,28 @@ def test_the_app_shuts_its_preparing_threads_down_with_its_lifespan(config, engi
         assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
     with pytest.raises(RuntimeError):
         app.state.conveyor.prepare_pool.submit(print)
+
+
+async def test_a_queue_the_scheduler_reports_full_is_refused_before_the_body_is_parsed(
+        config, engine, make_http):
+    engine.num_waiting, engine.num_waiting_tokens = 3, 40  # what the fake scheduler reports
+    async with make_http(config.with_updates(max_num_waiting=4, max_waiting_tokens=40)) as http:
+        assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+        refused = await http.post("/v1/completions", content=b"{not even json")
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "40 prompt tokens are waiting and max_waiting_tokens is 40" in refused.json()["error"]["message"]
+        engine.num_waiting_tokens = 0
+        engine.heartbeat()  # the scheduler's next word says there is room again
+        parsed = await http.post("/v1/completions", content=b"{not even json")  # 3 waiting, not 4
+        assert parsed.status_code == 400
+        metrics = (await http.get("/metrics")).text
+    assert 'conveyor:request_rejected_total{model_name="tiny",reason="max_waiting_tokens"} 1.0' in metrics
+
+
+async def test_a_scheduler_refusal_by_waiting_tokens_is_a_429_counted_under_its_limit(client, engine):
+    engine.fail_with, engine.fail_code = "the waiting queue is full: 900 prompt tokens", ERROR_WAITING_TOKENS_FULL
+    response = await client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "queue_full"
+    metrics = (await client.get("/metrics")).text
+    assert 'conveyor:request_rejected_total{model_name="tiny",reason="max_waiting_tokens"} 1.0' in metrics
