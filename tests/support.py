@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +18,8 @@ from proto.config import EngineConfig
 
 if TYPE_CHECKING:
     import torch
+
+    from deploy.launcher import Stack
 
 
 def process_alive(pid: int) -> bool:
@@ -122,3 +128,35 @@ def metric_value(base_url: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(f"{name}{labels} not in /metrics")
     return total
+
+
+@contextmanager
+def supervised(stack: Stack) -> Iterator[list[str]]:
+    """The supervisor's watch (what `conveyor serve` runs) in a thread, so that lost workers are
+    replaced; yields a list that gets why the watch returned."""
+    stop, reasons = threading.Event(), []
+    thread = threading.Thread(target=lambda: reasons.append(stack.watch(stop.is_set, poll_s=0.2)),
+                              daemon=True)
+    thread.start()
+    try:
+        yield reasons
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+@contextmanager
+def caplog_of(logger_name: str) -> Iterator[list[str]]:
+    """Messages logged to logger_name (and below) while the block runs."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler, logger = Collect(), logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from support import children_of, metric_value, sse_events, tiny_config
+from support import children_of, metric_value, sse_events, supervised, tiny_config
 
 from deploy.launcher import Stack, StartupError
 
@@ -52,20 +49,6 @@ def faulty_stack(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, faults: 
                  **config: object) -> Stack:
     monkeypatch.setenv("CONVEYOR_FAULT_INJECTION", faults)
     return Stack(tiny_config(tiny_model_dir, **config))
-
-
-@contextmanager
-def supervised(stack: Stack) -> Iterator[list[str]]:
-    """The supervisor's watch (what `conveyor serve` runs) in a thread; yields [why it returned]."""
-    stop, reasons = threading.Event(), []
-    thread = threading.Thread(target=lambda: reasons.append(stack.watch(stop.is_set, poll_s=0.2)),
-                              daemon=True)
-    thread.start()
-    try:
-        yield reasons
-    finally:
-        stop.set()
-        thread.join(timeout=30)
 
 
 @pytest.mark.parametrize("action", ["kill", "exit", "stall"])
