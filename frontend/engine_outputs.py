@@ -61,6 +61,7 @@ class EngineStats:
     num_preemptions_total: int
     step_duration_s: float
     wall_time_s: float
+    workers_serving: bool = True  # False while the scheduler waits for a replaced worker group
 
 
 class EngineListener(Protocol):
@@ -155,7 +156,7 @@ class OutputRouter:
         self.latest_stats = EngineStats(
             outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.num_waiting_tokens,
             outputs.kv_cache_usage, outputs.num_preemptions_total, outputs.step_duration_s,
-            outputs.wall_time_s)
+            outputs.wall_time_s, outputs.workers_serving)
         for request_id in _queued_request_ids(outputs):  # before this message's tokens
             route = self._routes.get(request_id)
             if route is not None:

@@ -39,6 +39,8 @@ _SCHEDULER_TOTALS = {
     "prefix_cache_hits_total": "prefix_cache_hits",
     "num_protocol_errors_total": "protocol_errors",
     "num_padded_slot_steps_total": "padded_slot_steps",
+    "num_worker_restarts_total": "worker_restarts",
+    "num_requests_recovered_total": "requests_recovered",
 }
 
 
@@ -88,6 +90,13 @@ class FrontendMetrics:
                                        "Malformed frames dropped (scheduler's and frontend's).")
         self.padded_slot_steps = counter("padded_slot_steps_total",
                                          "Static scheduling: seat-steps held by finished sequences.")
+        self.process_restarts = Counter(PREFIX + "process_restarts_total",
+                                        "Processes replaced after a fault, by process.",
+                                        ("model_name", "process"), registry=self.registry)
+        self.worker_restarts = self.process_restarts.labels(model_name, "worker")
+        self.requests_recovered = counter("requests_recovered_total",
+                                          "Running sequences requeued (tokens kept) when their worker "
+                                          "group was replaced.")
         self.request_success = Counter(PREFIX + "request_success_total", "Finished choices by reason.",
                                        ("model_name", "finished_reason"), registry=self.registry)
         for reason in filter(None, FINISH_REASONS):  # every series exists from the start
