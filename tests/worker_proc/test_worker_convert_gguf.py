@@ -1,4 +1,4 @@
-"""GGUF -> HF checkpoint conversion on the real SmolLM2 GGUF (slow; skipped when the file is absent)."""
+"""GGUF -> HF checkpoint conversion: the tiny model's GGUF always, SmolLM2's when present (slow)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from tiny_gguf import write_tiny_gguf
 from worker_plans import BlockPool, Seq, advance, make_plan, tiny_engine_config
 
 from worker_proc.convert_gguf import main as convert_main
@@ -55,3 +56,17 @@ def test_converted_smollm2_is_a_tied_checkpoint_that_answers_paris(tmp_path: Pat
         plan = make_plan([seq], scheduled, pool, step)
         advance([seq], scheduled, plan, runner.execute(plan))
     assert "Paris" in tokenizer.decode(seq.token_ids[len(prompt):])
+
+
+def test_a_tiny_gguf_converts_once_refuses_to_overwrite_and_leaves_nothing_staged(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    gguf_path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    out_dir = tmp_path / "tiny-hf"
+    assert convert_main([str(gguf_path), str(out_dir)]) == 0
+    first = (out_dir / "model.safetensors").read_bytes()
+    assert convert_main([str(gguf_path), str(out_dir)]) == 1  # refuses to overwrite silently
+    assert convert_main([str(gguf_path), str(out_dir), "--overwrite", "--dtype", "float32"]) == 0
+    assert json.loads((out_dir / "config.json").read_text())["torch_dtype"] == "float32"
+    assert (out_dir / "model.safetensors").read_bytes() != first
+    # neither a staging directory nor the replaced copy is left behind
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tiny-hf", "tiny.gguf"]
