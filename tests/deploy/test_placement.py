@@ -37,7 +37,7 @@ def test_visible_gpus_follow_cuda_visible_devices_then_the_driver(tmp_path: Path
 
 def test_each_worker_sees_only_its_own_gpu() -> None:
     config = EngineConfig(tensor_parallel_size=4, nnodes=2, node_rank=1, master_addr="h",
-                          devices=(3, 1))
+                          devices=(3, 1), insecure_transport=True)
     gpus = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
     assert [worker_env(config, local, gpus) for local in range(2)] == [
         {"CUDA_VISIBLE_DEVICES": "GPU-d"}, {"CUDA_VISIBLE_DEVICES": "GPU-b"}]
@@ -72,7 +72,7 @@ def test_several_nodes_without_a_master_address_are_refused(tiny_model_dir: Path
 def test_placement_flags_reach_the_engine_config(tiny_model_dir: Path, no_gpus: None) -> None:
     config = config_from_args(serve_args(
         tiny_model_dir, "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
-        "--master-addr", "10.1.2.3", "--master-port", "31000"))
+        "--master-addr", "10.1.2.3", "--master-port", "31000", "--insecure-transport"))
     assert (config.tensor_parallel_size, config.nnodes, config.node_rank) == (4, 2, 1)
     assert (config.master_addr, config.master_port, list(config.local_ranks)) == ("10.1.2.3", 31000, [2, 3])
 
