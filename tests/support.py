@@ -96,11 +96,16 @@ def greedy_logprobs(model: torch.nn.Module, prompt_ids: list[int],
     import torch
 
     ids = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(torch.argmax(logits)))
-        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].float(), dim=-1)
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from more; on busy cores they spin
+    try:
+        with torch.inference_mode():
+            for _ in range(num_new):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(torch.argmax(logits)))
+            logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].float(), dim=-1)
+    finally:
+        torch.set_num_threads(num_threads)
     return ids[len(prompt_ids):], logprobs
 
 
