@@ -37,7 +37,8 @@ async def health(request: Request) -> JSONResponse:
     if not state.engine.is_alive():
         status = "starting" if state.engine.latest_stats is None else "engine_unavailable"
         return JSONResponse({"status": status}, status_code=503)
-    if not state.engine.latest_stats.workers_serving:  # a lost worker group is being replaced
+    stats = state.engine.latest_stats  # None from an engine alive before any message (the tests' fake)
+    if stats is not None and not stats.workers_serving:  # a lost worker group is being replaced
         return JSONResponse({"status": "recovering"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
