@@ -120,5 +120,5 @@ def test_node_zero_leaves_a_core_to_the_frontend_when_it_pays(
     monkeypatch.setattr(devices, "allowed_cores", lambda: cores)
     nnodes = 2 if node_rank else 1
     config = EngineConfig(tensor_parallel_size=tp * nnodes, nnodes=nnodes, node_rank=node_rank,
-                          master_addr="127.0.0.1" if nnodes > 1 else "")
+                          master_addr="127.0.0.1" if nnodes > 1 else "", insecure_transport=nnodes > 1)
     assert devices.worker_cores(config) == expected
