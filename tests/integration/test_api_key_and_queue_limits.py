@@ -18,7 +18,7 @@ from deploy.launcher import Stack
 
 API_KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MAX_TOKENS = 300  # long enough to hold a seat while the queue fills, short enough to finish soon
+MAX_TOKENS = 480  # long enough to hold a seat while the queue fills (the tiny model holds 512 positions)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,12 @@ async def overflow(stack: Stack) -> tuple[list[httpx.Response], list[httpx.Respo
         def post(**fields: object) -> asyncio.Task:
             return asyncio.create_task(client.post("/v1/completions", json=completion(**fields)))
 
-        # whichever arrives first runs: one sequence takes the seat, two wait
-        admitted = [post(max_tokens=MAX_TOKENS), post(max_tokens=MAX_TOKENS, n=2)]
+        # the first takes the seat; then the n=2 request's two sequences wait (sent together,
+        # the n=2 one could arrive first and fill the queue alone, its sibling held behind it)
+        admitted = [post(max_tokens=MAX_TOKENS)]
+        await wait_until(lambda: metric_value(stack.url, "conveyor:num_requests_running") == 1, 30,
+                         "the first request on the seat")
+        admitted.append(post(max_tokens=MAX_TOKENS, n=2))
         await wait_until(lambda: metric_value(stack.url, "conveyor:num_requests_waiting") == 2, 30,
                          "two waiting sequences")
         with paused(worker.process.pid):
