@@ -316,9 +316,10 @@ class SchedulerLoop:
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
         deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
-        outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors,
-                                      workers_serving=self._workers_serving,
-                                      num_worker_restarts_total=self.num_worker_restarts)
+        if self.num_protocol_errors or self.num_worker_restarts or not self._workers_serving:
+            outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors,
+                                          workers_serving=self._workers_serving,
+                                          num_worker_restarts_total=self.num_worker_restarts)
         if self._should_exit():
             outputs = dataclasses.replace(outputs, engine_stopping=True)
         if self._send_frame(self._outputs, codec.encode(outputs), deadline):
