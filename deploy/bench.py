@@ -2,6 +2,7 @@
 
     conveyor bench --base-url http://127.0.0.1:8000 --num-prompts 256 --request-rate 4 --result-dir out
     conveyor bench sweep --max-num-seqs 1,4,16,64 --request-rate 4     (launches conveyor itself)
+    conveyor bench recovery --trials 3       (launches conveyor, SIGKILLs its worker mid-stream)
 
 Flags follow `vllm bench serve` where they apply. The summary prints as JSON; with --result-dir
 or --save-result the full result (every request's token times too) is written as JSON next to
@@ -17,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from deploy import bench_sweep
+from deploy import bench_recovery, bench_sweep
 from deploy.bench_report import save_result
 from deploy.replay import COMPLETIONS_ENDPOINT, BenchError, add_replay_arguments, replay, replay_options
 from deploy.trace import add_trace_arguments, save_trace, trace_from_args
@@ -36,16 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the result JSON and PNGs (to --result-dir, default: here)")
     parser.add_argument("--result-filename", default=None, help="default: LABEL.json")
     parser.add_argument("--label", default="run", help="name of this run in the result files")
-    modes = parser.add_subparsers(dest="bench_mode", metavar="[sweep]")
+    modes = parser.add_subparsers(dest="bench_mode", metavar="[sweep|recovery]")
     bench_sweep.add_arguments(modes.add_parser(
         "sweep", help="launch conveyor at each --max-num-seqs and find the knee",
         description=bench_sweep.__doc__.splitlines()[0]))
+    bench_recovery.add_arguments(modes.add_parser(
+        "recovery", help="launch conveyor, SIGKILL its worker mid-stream, time the pause",
+        description=bench_recovery.__doc__.splitlines()[0]))
 
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the bar
     if args.bench_mode == "sweep":
         return bench_sweep.run(args)
+    if args.bench_mode == "recovery":
+        return bench_recovery.run(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     try:
         options = replay_options(args, args.endpoint)

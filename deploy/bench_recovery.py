@@ -1,0 +1,134 @@
+"""`conveyor bench recovery`: how long a stream pauses when its worker is SIGKILLed, and of what.
+
+    conveyor bench recovery --trials 3 --kill-after-tokens 30
+
+It launches conveyor (deploy.launcher.Stack, with the supervisor's watch that replaces lost
+workers, as `conveyor serve` runs it), streams one greedy request per trial and SIGKILLs the worker
+group's rank 0 when the stream has delivered --kill-after-tokens tokens. Per trial it reports the
+pause from the kill to the next token, split into the time until the new group serves (GET /health
+is 200 again: the supervisor noticed, the worker started, loaded the weights and reported its KV
+cache) and the rest (recomputing the prompt and the tokens already generated, then the next decode),
+next to the stream's median inter-token latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from deploy.bench_sweep import _free_port
+from deploy.launcher import Stack, StartupError
+from deploy.model_info import ModelError, read_model_info
+from deploy.model_source import resolve_model
+from proto.config import DTYPE_CHOICES, EngineConfig
+
+PROMPT = "Write a long story about a lighthouse keeper and the ships she watches."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", default=None,
+                        help="HF model directory or cached id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=EngineConfig().dtype)
+    parser.add_argument("--trials", type=int, default=3, help="streams, one worker kill each")
+    parser.add_argument("--kill-after-tokens", type=int, default=30, help="tokens streamed before the kill")
+    parser.add_argument("--max-tokens", type=int, default=120, help="tokens per stream (ignore_eos)")
+    parser.add_argument("--port", type=int, default=0, help="server port (0 = any free port)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.kill_after_tokens < args.max_tokens or args.trials < 1:
+        print(f"conveyor bench recovery: need 0 < --kill-after-tokens ({args.kill_after_tokens}) < "
+              f"--max-tokens ({args.max_tokens}) and --trials >= 1", file=sys.stderr)
+        return 2
+    try:
+        config = _config(args)
+        with Stack(config) as stack, _watched(stack):
+            trials = [_trial(stack, config.served_model_name, args) for _ in range(args.trials)]
+    except (ModelError, StartupError, OSError, RuntimeError) as exc:
+        print(f"conveyor bench recovery: {exc}", file=sys.stderr)
+        return 1
+    summary = {"model": config.model, "dtype": config.dtype, "trials": trials,
+               "kill_to_next_token_s_median": statistics.median(t["kill_to_next_token_s"] for t in trials),
+               "command": " ".join(sys.argv)}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    model_dir = resolve_model(args.model_dir)
+    info = read_model_info(model_dir)
+    return EngineConfig(model=str(model_dir), served_model_name=model_dir.name, dtype=args.dtype,
+                        max_model_len=info.max_position_embeddings, vocab_size=info.vocab_size,
+                        eos_token_ids=info.eos_token_ids, port=args.port or _free_port(), log_level="warning")
+
+
+@contextmanager
+def _watched(stack: Stack) -> Iterator[None]:
+    """The supervisor's watch in a thread, so that a killed worker group is replaced."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stack.watch, args=(stop.is_set, 0.2), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def _trial(stack: Stack, model: str, args: argparse.Namespace) -> dict:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    stamps: list[float] = []  # when each chunk that carries text arrived
+    killed_at, serving_at, finish_reason = 0.0, [0.0], None
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            finish_reason = choice["finish_reason"] or finish_reason
+            if not choice["text"]:
+                continue
+            stamps.append(time.monotonic())
+            if len(stamps) == args.kill_after_tokens:
+                killed_at = _kill_rank0(stack)
+                threading.Thread(target=_await_serving, args=(stack.url, serving_at), daemon=True).start()
+    if finish_reason != "length" or not killed_at:
+        raise RuntimeError(f"the stream ended with finish_reason {finish_reason!r} after {len(stamps)} "
+                           f"chunks (killed: {bool(killed_at)})")
+    next_token = min(t for t in stamps if t > killed_at)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if not a <= killed_at < b]
+    return {"kill_to_next_token_s": round(next_token - killed_at, 3),
+            "kill_to_serving_s": round(serving_at[0] - killed_at, 3) if serving_at[0] else None,
+            "serving_to_next_token_s": round(next_token - serving_at[0], 3) if serving_at[0] else None,
+            "median_itl_s": round(statistics.median(gaps), 4)}
+
+
+def _kill_rank0(stack: Stack) -> float:
+    workers = [child for child in stack.children if child.module == "worker_proc"]
+    os.kill(workers[0].process.pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _await_serving(url: str, serving_at: list[float]) -> None:
+    """Record when /health turns 200 again after having been 503 (the new group serves)."""
+    seen_down, deadline = False, time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(f"{url}/health", timeout=5).status_code
+        except httpx.HTTPError:
+            status = 0
+        seen_down = seen_down or status != 200
+        if seen_down and status == 200:
+            serving_at[0] = time.monotonic()
+            return
+        time.sleep(0.05)
