@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from proto.config import EngineConfig
-from worker_proc.attention import AttentionBackend
-from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
+from worker_proc.attention import AttentionBackend, AttentionBackendError, attention_backend_for
 from worker_proc.batch import synthetic_plan
 from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model import Attention

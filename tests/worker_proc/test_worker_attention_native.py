@@ -18,10 +18,11 @@ from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.messages import StepPlan
 from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
-from worker_proc import native, native_build
-from worker_proc.attention import AttentionMetadata, TorchPagedAttention
-from worker_proc.attention_native import NativePagedAttention
-from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
+from worker_proc.attention import AttentionBackend, AttentionBackendError, AttentionShape, attention_backend_for
+from worker_proc.attention import native_build
+from worker_proc.attention import native_kernel as native
+from worker_proc.attention.native import NativeMetadata, NativePagedAttention
+from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 from worker_proc.runner import ModelRunner
 
@@ -85,10 +86,10 @@ def prefill_plan(block_size: int) -> StepPlan:
     return make_plan(seqs, [40, 30, 20, 2], pool)
 
 
-def run_step(backend: TorchPagedAttention, plan: StepPlan, block_size: int, dtype: torch.dtype,
+def run_step(backend: AttentionBackend, plan: StepPlan, block_size: int, dtype: torch.dtype,
              num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention over random caches; q, k, v are views of one qkv row as the model's."""
-    meta = build_step_batch(plan, block_size, NUM_BLOCKS).attn
+    meta = build_step_batch(plan, block_size, NUM_BLOCKS, backend).attn
     generator = torch.Generator().manual_seed(0)
     num_slots, num_tokens = NUM_BLOCKS * block_size, len(plan.input_ids)
     k_cache, v_cache = (torch.randn(num_kv_heads, num_slots, head_dim, generator=generator).to(dtype)
@@ -153,10 +154,10 @@ def test_the_kernel_splits_queries_across_threads_without_changing_results(
 def test_auto_attends_shapes_without_a_vector_path_with_the_reference(
         kernel: native.PagedAttentionKernel) -> None:
     assert kernel.code_path(torch.float32, 3, 24) == "portable"
+    auto = attention_backend_for(torch.device("cpu"), torch.float32, 4, shape=AttentionShape(6, 2, 24))
+    assert type(auto) is TorchPagedAttention
     shape = (mixed_plan(4), 4, torch.float32, 6, 2, 24)
     want, _ = run_step(TorchPagedAttention(), *shape)
-    got, _ = run_step(NativePagedAttention(kernel, 4, only_vectorised=True), *shape)
-    assert torch.equal(got, want)
     forced, _ = run_step(NativePagedAttention(kernel, 4), *shape)  # the portable loop: close, not equal
     assert not torch.equal(forced, want)
 
@@ -166,10 +167,10 @@ def test_auto_picks_the_native_kernel_on_the_cpu(kernel: native.PagedAttentionKe
     if kernel.code_path(torch.float32, 2, 16) == "portable":  # the tiny model's dtype, group, head_dim
         pytest.skip("no vectorised fp32 path on this CPU (needs AVX2 + FMA): auto uses the reference")
     runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
-    assert isinstance(runner.attention, NativePagedAttention) and runner.attention.only_vectorised
+    assert isinstance(runner.attention, NativePagedAttention)
 
 
-def kernel_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
+def kernel_inputs(meta: NativeMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
     """Random fp32 q, out [num_tokens, 6, 64] and K/V caches [2, NUM_BLOCKS * block_size, 64]."""
     num_tokens = len(meta.token_members)
     q = torch.randn(num_tokens, 6, 64)
@@ -177,23 +178,23 @@ def kernel_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tenso
     return q, torch.empty_like(q), k_cache, v_cache
 
 
-def short_tables(meta: AttentionMetadata) -> AttentionMetadata:
+def short_tables(meta: NativeMetadata) -> NativeMetadata:
     return replace(meta, block_tables=meta.block_tables[:, :1].contiguous())
 
 
-def block_past_the_cache(meta: AttentionMetadata) -> AttentionMetadata:
+def block_past_the_cache(meta: NativeMetadata) -> NativeMetadata:
     tables = meta.block_tables.clone()
     tables[6, 4] = NUM_BLOCKS  # member 6 decodes at position 69: its fifth block is read
     return replace(meta, block_tables=tables)
 
 
-def member_past_the_tables(meta: AttentionMetadata) -> AttentionMetadata:
+def member_past_the_tables(meta: NativeMetadata) -> NativeMetadata:
     members = meta.token_members.clone()
     members[3] = len(meta.block_tables)
     return replace(meta, token_members=members)
 
 
-def empty_context(meta: AttentionMetadata) -> AttentionMetadata:
+def empty_context(meta: NativeMetadata) -> NativeMetadata:
     lens = meta.token_context_lens.clone()
     lens[8] = 0
     return replace(meta, token_context_lens=lens)
@@ -211,8 +212,8 @@ def empty_context(meta: AttentionMetadata) -> AttentionMetadata:
 ])
 def test_reads_outside_the_cache_or_tables_are_refused_naming_the_token_or_member(
         kernel: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan],
-        corrupt: Callable[[AttentionMetadata], AttentionMetadata], message: str) -> None:
-    meta = corrupt(build_step_batch(make_plan_for(16), 16, NUM_BLOCKS).attn)
+        corrupt: Callable[[NativeMetadata], NativeMetadata], message: str) -> None:
+    meta = corrupt(build_step_batch(make_plan_for(16), 16, NUM_BLOCKS, NativePagedAttention(kernel, 16)).attn)
     q, out, k_cache, v_cache = kernel_inputs(meta, 16)
     out.fill_(7.0)
     with pytest.raises(ValueError, match=message):
@@ -279,7 +280,7 @@ def test_a_build_that_hangs_fails_after_the_timeout_naming_the_command(
     ("libomptarget.so", False), ("libgompd.so.1", False), ("libomptarget.rtl.x86_64.so", False),
 ])
 def test_openmp_runtimes_are_told_from_their_sibling_libraries(name: str, is_runtime: bool) -> None:
-    assert bool(native_build._OPENMP_RUNTIME.fullmatch(name)) == is_runtime
+    assert bool(native._OPENMP_RUNTIME.fullmatch(name)) == is_runtime
 
 
 def test_a_failed_build_reports_the_compiler_error(tmp_path: Path) -> None:
@@ -295,7 +296,7 @@ def test_a_failed_build_reports_the_compiler_error(tmp_path: Path) -> None:
 
 def test_auto_falls_back_to_the_reference_when_the_compiler_is_missing(
         no_compiler: None, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker_proc.attention_varlen"):
+    with caplog.at_level(logging.INFO, logger="worker_proc.attention"):
         backend = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16)
     assert type(backend) is TorchPagedAttention
     assert "native kernel is unavailable" in caplog.text and "no-such-cc" in caplog.text
