@@ -162,7 +162,7 @@ def simulate(simulator_args: list[str]) -> int:
     may not import scheduler_proc, and the simulator parses (and refuses) its own arguments."""
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, "-m", "scheduler_proc.simulate", *simulator_args]
+    argv = [sys.executable, "-m", "scheduler_proc.tools.simulate", *simulator_args]
     return subprocess.run(argv, stdin=subprocess.DEVNULL, env=env, check=False).returncode
 
 

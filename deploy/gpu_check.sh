@@ -29,7 +29,7 @@ TESTS=${PIPESTATUS[0]}
 set -e
 
 echo "== worker step benchmark"
-"$PYTHON" -m worker_proc.bench_step --batch-sizes 1,16,64,256 --context 1024 --steps 30 \
+"$PYTHON" -m worker_proc.tools.bench_step --batch-sizes 1,16,64,256 --context 1024 --steps 30 \
   ${MODEL:+--model "$MODEL"} --out "$OUT/bench_step.json"
 
 if [ -n "$MODEL" ]; then

@@ -46,7 +46,7 @@ def default_model_dir() -> Path:
     with tempfile.TemporaryDirectory(prefix="conveyor-gguf-") as tmp:
         gguf_path = _find_or_fetch_gguf(Path(tmp))
         target.parent.mkdir(parents=True, exist_ok=True)
-        _run([sys.executable, "-m", "worker_proc.convert_gguf", str(gguf_path), str(target)],
+        _run([sys.executable, "-m", "worker_proc.tools.convert_gguf", str(gguf_path), str(target)],
              "convert the GGUF to safetensors")
     return target
 

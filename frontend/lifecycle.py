@@ -37,10 +37,6 @@ class LifecycleTracker:
     def __init__(self) -> None:
         self._requests: dict[str, _RequestEvents] = {}
 
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._requests)
-
     def observe(self, outputs: StepOutputs) -> list[PhaseDurations]:
         """Record this message's events; return the durations of the choices that finished."""
         finished = []

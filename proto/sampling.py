@@ -42,10 +42,6 @@ class SamplingParams:
         self.validate()
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

@@ -47,3 +47,53 @@ def test_process_entry_points_load_without_torch(module: str) -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
+
+
+# Starting a process by module name (`python -m NAME`) couples two packages without an import.
+# Every such name that one package writes for another's module is declared here, with why.
+ALLOWED_MODULE_COUPLINGS = {
+    ("deploy", "frontend"): "the supervisor starts the frontend process",
+    ("deploy", "scheduler_proc"): "the supervisor starts the scheduler process",
+    ("deploy", "worker_proc"): "the supervisor starts one worker process per rank",
+    ("deploy", "worker_proc.tools.convert_gguf"): "the default model's GGUF is converted with torch, "
+                                                  "in a worker-side process",
+    ("deploy", "scheduler_proc.tools.simulate"): "`conveyor simulate` runs the slot simulator",
+    ("scheduler_proc", "worker_proc"): "bench_overhead times the scheduler against a null-model worker",
+    ("worker_proc", "scheduler_proc.tools.bench_overhead"): "profile_step adds the scheduler's per-step "
+                                                            "overhead to its report",
+}
+
+
+def _our_modules() -> set[str]:
+    """Every module and package of ours by dotted name (`python -m` accepts both)."""
+    names = set()
+    for package in OUR_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names.add(".".join(parts[:-1] if parts[-1] in ("__init__", "__main__") else parts))
+    return names
+
+
+def _module_name_couplings() -> set[tuple[str, str]]:
+    """(package, module) for every string constant in `package` naming another package's module."""
+    modules = _our_modules()
+    found = set()
+    for package in OUR_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules
+                        and node.value.split(".")[0] != package):
+                    found.add((package, node.value))
+    return found
+
+
+def test_processes_started_by_module_name_are_the_declared_couplings() -> None:
+    assert _module_name_couplings() == set(ALLOWED_MODULE_COUPLINGS)
+
+
+@pytest.mark.parametrize("module", sorted({module for _, module in ALLOWED_MODULE_COUPLINGS}))
+def test_every_module_started_by_name_can_be_run(module: str) -> None:
+    path = ROOT.joinpath(*module.split("."))
+    main = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+    assert main.is_file(), f"{module} is started by name but {main} does not exist"
+    assert main.name == "__main__.py" or '__name__ == "__main__"' in main.read_text()

@@ -2,7 +2,7 @@
 
 Two layouts, chosen by the backend (`AttentionBackend.kv_layout`):
 - BLOCKS_MAJOR [num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged layout, so the
-  varlen backend can hand its block table to the kernel (attention_varlen).
+  varlen backend can hand its block table to the kernel (attention.flash).
 - HEADS_MAJOR [num_kv_heads, num_blocks, block_size, head_dim]: the torch reference's. One
   index_select over slots then yields contiguous [kv_heads, num_seqs, context, head_dim] for
   batched matmuls; from BLOCKS_MAJOR that needs a transposing copy, or a strided gather that is

@@ -12,7 +12,7 @@ from proto.config import EngineConfig
 from proto.logprobs import concat_entries
 from proto.messages import StepPlan, StepResult
 from worker_proc import parallel
-from worker_proc.attention_varlen import attention_backend_for
+from worker_proc.attention import AttentionShape, attention_backend_for
 from worker_proc.batch import StepBatch, build_step_batch, synthetic_plan
 from worker_proc.devices import bind_worker
 from worker_proc.kv_cache import (
@@ -30,7 +30,7 @@ from worker_proc.logprobs import (
     prompt_targets,
     sampled_asks,
 )
-from worker_proc.model_config import torch_dtype
+from worker_proc.model_config import load_model_config, torch_dtype
 from worker_proc.null_runner import NullModelRunner
 from worker_proc.sampler import sample, sampling_batch_from_plan
 
@@ -50,8 +50,9 @@ class ModelRunner:
         log.info("rank %d loading model from %s (%s, %d threads)", rank, config.model, config.dtype,
                  torch.get_num_threads())
         dtype = torch_dtype(config.dtype)
+        shape = AttentionShape.for_rank(load_model_config(config.model), config.tensor_parallel_size)
         self.attention = attention_backend_for(self.device, dtype, config.block_size,
-                                               config.attention_backend, config.cpu_isa)
+                                               config.attention_backend, config.cpu_isa, shape)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):
@@ -107,8 +108,7 @@ class ModelRunner:
                                     torch_dtype(config.dtype), config.tensor_parallel_size, self.device,
                                     self.attention.kv_layout)
         plan = synthetic_plan(0, contexts, contexts, np.zeros(num_tokens, np.int64), max_blocks)
-        batch = build_step_batch(plan, config.block_size, num_blocks,
-                                 self.attention.needs_packed_context).to(self.device)
+        batch = build_step_batch(plan, config.block_size, num_blocks, self.attention).to(self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, scratch.flat_views())
         self.model.compute_logits(hidden)
         return num_tokens
@@ -163,7 +163,7 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[StepBatch, torch.Tensor]:
         batch = build_step_batch(plan, self.config.block_size, self.num_kv_blocks,
-                                 self.attention.needs_packed_context).to(self.device)
+                                 self.attention).to(self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_views)
         return batch, hidden
 

@@ -92,7 +92,7 @@ async def test_odd_but_valid_requests_work(client, engine, body):
 async def test_a_temperature_of_minus_zero_is_greedy(client, engine):
     response = await client.post("/v1/completions", content=b'{"prompt": "x", "temperature": -0.0}')
     assert response.status_code == 200, response.text
-    assert engine.added[-1].sampling_params.is_greedy
+    assert engine.added[-1].sampling_params.temperature == 0.0
 
 
 async def test_content_given_as_text_parts_is_the_text_the_template_sees(client, engine, tokenizer):

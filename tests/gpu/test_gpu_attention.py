@@ -7,8 +7,9 @@ import torch
 from test_worker_attention_varlen import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, caches_in_layout,
                                          mixed_plan)
 
-from worker_proc.attention import TorchPagedAttention
-from worker_proc.attention_varlen import VarlenPagedAttention, attention_backend_for, load_flash_kernel
+from worker_proc.attention import attention_backend_for, to_device
+from worker_proc.attention.flash import VarlenPagedAttention, load_flash_kernel
+from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,7 +28,7 @@ def run_step(attention: object, block_size: int, dtype: torch.dtype,
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
     k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
     q, k, v, *caches = (t.to(device, dtype) for t in (q, k, v, *caches))
-    meta = build_step_batch(plan, block_size, 16, attention.needs_packed_context).attn.to(device)
+    meta = to_device(build_step_batch(plan, block_size, 16, attention).attn, device)
     return attention.forward(q, k, v, caches[0], caches[1], meta).float().cpu()
 
 

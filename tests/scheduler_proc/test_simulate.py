@@ -1,4 +1,4 @@
-"""scheduler_proc.simulate: the real engine's policies, static vs continuous, seat by seat."""
+"""scheduler_proc.tools.simulate: the real engine's policies, static vs continuous, seat by seat."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler_proc.simulate import (GENERATING, HELD, IDLE, POLICIES, WorkloadSpec, main, make_workload,
+from scheduler_proc.tools.simulate import (GENERATING, HELD, IDLE, POLICIES, WorkloadSpec, main, make_workload,
                                      simulate)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,14 +108,14 @@ def test_the_simulator_prints_both_policies_and_draws_one_png_per_policy(
 
 
 def test_importing_the_simulator_loads_neither_matplotlib_nor_torch() -> None:
-    code = ("import sys, scheduler_proc.simulate, scheduler_proc.simulate_report; "
+    code = ("import sys, scheduler_proc.tools.simulate, scheduler_proc.tools.simulate_report; "
             "assert 'matplotlib' not in sys.modules and 'torch' not in sys.modules, 'heavy import'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
 def test_the_timeline_changes_shade_whenever_a_new_request_boards_a_seat() -> None:
-    from scheduler_proc.simulate_report import display_codes
+    from scheduler_proc.tools.simulate_report import display_codes
 
     _, continuous = _both(WorkloadSpec(num_requests=30, seed=1), num_slots=3)
     codes = display_codes(continuous)  # int8 [num_slots, num_steps]

@@ -1,10 +1,9 @@
 """The native CPU attention kernel (decodes, prefill chunks) equals the torch reference at every ISA
-level this CPU can run, on the path built for that level; its build is cached per machine and cap;
-backend selection falls back (auto) or fails at start-up with a reason (an explicit choice)."""
+level this CPU can run, on the path built for that level; backend selection falls back (auto) or
+fails at start-up with a reason (an explicit choice). The build itself: test_worker_native_build.py."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -18,10 +17,10 @@ from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.messages import StepPlan
 from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
-from worker_proc import native, native_build
-from worker_proc.attention import AttentionMetadata, TorchPagedAttention
-from worker_proc.attention_native import NativePagedAttention
-from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
+from worker_proc.attention import AttentionBackend, AttentionBackendError, AttentionShape, attention_backend_for
+from worker_proc.attention import native_kernel as native
+from worker_proc.attention.native import NativeMetadata, NativePagedAttention
+from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 from worker_proc.runner import ModelRunner
 
@@ -85,10 +84,10 @@ def prefill_plan(block_size: int) -> StepPlan:
     return make_plan(seqs, [40, 30, 20, 2], pool)
 
 
-def run_step(backend: TorchPagedAttention, plan: StepPlan, block_size: int, dtype: torch.dtype,
+def run_step(backend: AttentionBackend, plan: StepPlan, block_size: int, dtype: torch.dtype,
              num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention over random caches; q, k, v are views of one qkv row as the model's."""
-    meta = build_step_batch(plan, block_size, NUM_BLOCKS).attn
+    meta = build_step_batch(plan, block_size, NUM_BLOCKS, backend).attn
     generator = torch.Generator().manual_seed(0)
     num_slots, num_tokens = NUM_BLOCKS * block_size, len(plan.input_ids)
     k_cache, v_cache = (torch.randn(num_kv_heads, num_slots, head_dim, generator=generator).to(dtype)
@@ -153,10 +152,10 @@ def test_the_kernel_splits_queries_across_threads_without_changing_results(
 def test_auto_attends_shapes_without_a_vector_path_with_the_reference(
         kernel: native.PagedAttentionKernel) -> None:
     assert kernel.code_path(torch.float32, 3, 24) == "portable"
+    auto = attention_backend_for(torch.device("cpu"), torch.float32, 4, shape=AttentionShape(6, 2, 24))
+    assert type(auto) is TorchPagedAttention
     shape = (mixed_plan(4), 4, torch.float32, 6, 2, 24)
     want, _ = run_step(TorchPagedAttention(), *shape)
-    got, _ = run_step(NativePagedAttention(kernel, 4, only_vectorised=True), *shape)
-    assert torch.equal(got, want)
     forced, _ = run_step(NativePagedAttention(kernel, 4), *shape)  # the portable loop: close, not equal
     assert not torch.equal(forced, want)
 
@@ -166,10 +165,10 @@ def test_auto_picks_the_native_kernel_on_the_cpu(kernel: native.PagedAttentionKe
     if kernel.code_path(torch.float32, 2, 16) == "portable":  # the tiny model's dtype, group, head_dim
         pytest.skip("no vectorised fp32 path on this CPU (needs AVX2 + FMA): auto uses the reference")
     runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
-    assert isinstance(runner.attention, NativePagedAttention) and runner.attention.only_vectorised
+    assert isinstance(runner.attention, NativePagedAttention)
 
 
-def kernel_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
+def kernel_inputs(meta: NativeMetadata, block_size: int) -> tuple[torch.Tensor, ...]:
     """Random fp32 q, out [num_tokens, 6, 64] and K/V caches [2, NUM_BLOCKS * block_size, 64]."""
     num_tokens = len(meta.token_members)
     q = torch.randn(num_tokens, 6, 64)
@@ -177,23 +176,23 @@ def kernel_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tenso
     return q, torch.empty_like(q), k_cache, v_cache
 
 
-def short_tables(meta: AttentionMetadata) -> AttentionMetadata:
+def short_tables(meta: NativeMetadata) -> NativeMetadata:
     return replace(meta, block_tables=meta.block_tables[:, :1].contiguous())
 
 
-def block_past_the_cache(meta: AttentionMetadata) -> AttentionMetadata:
+def block_past_the_cache(meta: NativeMetadata) -> NativeMetadata:
     tables = meta.block_tables.clone()
     tables[6, 4] = NUM_BLOCKS  # member 6 decodes at position 69: its fifth block is read
     return replace(meta, block_tables=tables)
 
 
-def member_past_the_tables(meta: AttentionMetadata) -> AttentionMetadata:
+def member_past_the_tables(meta: NativeMetadata) -> NativeMetadata:
     members = meta.token_members.clone()
     members[3] = len(meta.block_tables)
     return replace(meta, token_members=members)
 
 
-def empty_context(meta: AttentionMetadata) -> AttentionMetadata:
+def empty_context(meta: NativeMetadata) -> NativeMetadata:
     lens = meta.token_context_lens.clone()
     lens[8] = 0
     return replace(meta, token_context_lens=lens)
@@ -211,8 +210,8 @@ def empty_context(meta: AttentionMetadata) -> AttentionMetadata:
 ])
 def test_reads_outside_the_cache_or_tables_are_refused_naming_the_token_or_member(
         kernel: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan],
-        corrupt: Callable[[AttentionMetadata], AttentionMetadata], message: str) -> None:
-    meta = corrupt(build_step_batch(make_plan_for(16), 16, NUM_BLOCKS).attn)
+        corrupt: Callable[[NativeMetadata], NativeMetadata], message: str) -> None:
+    meta = corrupt(build_step_batch(make_plan_for(16), 16, NUM_BLOCKS, NativePagedAttention(kernel, 16)).attn)
     q, out, k_cache, v_cache = kernel_inputs(meta, 16)
     out.fill_(7.0)
     with pytest.raises(ValueError, match=message):
@@ -220,82 +219,9 @@ def test_reads_outside_the_cache_or_tables_are_refused_naming_the_token_or_membe
     assert bool((out == 7.0).all())  # refused before anything was written
 
 
-def sources(tmp_path: Path, text: str) -> Path:
-    source_dir = tmp_path / "csrc"
-    source_dir.mkdir(exist_ok=True)
-    (source_dir / "answer.c").write_text(text)
-    return source_dir
-
-
-def test_a_built_kernel_is_reused_and_rebuilt_for_another_cpu_or_cap(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    source_dir = sources(tmp_path, "int answer(void) { return 42; }\n")
-    cache = tmp_path / "cache"
-    try:
-        first = native_build.build(cache, source_dir=source_dir)
-    except native.NativeBuildError as error:
-        pytest.skip(f"no working C compiler: {error}")
-    built_at = first.stat().st_mtime_ns
-    assert native_build.build(cache, source_dir=source_dir) == first
-    assert first.stat().st_mtime_ns == built_at
-    capped = native_build.build(cache, "baseline", source_dir=source_dir)
-    monkeypatch.setattr(native_build, "_cpu_flags", lambda: "flags : another cpu")
-    other = native_build.build(cache, source_dir=source_dir)
-    assert len({first, capped, other}) == 3 and ctypes.CDLL(str(other)).answer() == 42
-    assert sorted(cache.iterdir()) == sorted([first, capped, other])  # no partial files left behind
-
-
-def test_the_build_compiles_the_source_it_hashed_even_if_the_file_changes_meanwhile(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    source_dir = sources(tmp_path, "int answer(void) { return 42; }\n")
-    try:
-        cc = native_build.compiler()
-    except native.NativeBuildError as error:
-        pytest.skip(f"no C compiler: {error}")
-    checkout = tmp_path / "checkout-cc"  # a compiler during which a checkout rewrites the source
-    checkout.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] ||\n"
-                        f"  echo 'int answer(void) {{ return 7; }}' > {source_dir / 'answer.c'}\n"
-                        f"exec {cc} \"$@\"\n")
-    checkout.chmod(0o755)
-    monkeypatch.setenv("CC", str(checkout))
-    built = native_build.build(tmp_path / "cache", source_dir=source_dir)
-    assert ctypes.CDLL(str(built)).answer() == 42  # cached under the key of the 42 source
-
-
-def test_a_build_that_hangs_fails_after_the_timeout_naming_the_command(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    hanging = tmp_path / "hanging-cc"
-    hanging.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo hanging-cc 1.0; exit 0; }\nexec sleep 60\n')
-    hanging.chmod(0o755)
-    monkeypatch.setenv("CC", str(hanging))
-    monkeypatch.setattr(native_build, "BUILD_TIMEOUT_S", 0.5)
-    with pytest.raises(native.NativeBuildError, match=r"took over 0.5 s: .*hanging-cc .*-fopenmp"):
-        native_build.build(tmp_path / "cache")
-    assert not list((tmp_path / "cache").iterdir())
-
-
-@pytest.mark.parametrize("name, is_runtime", [
-    ("libgomp.so.1", True), ("libgomp-a34b3233.so.1", True), ("libiomp5.so", True), ("libomp.so.5", True),
-    ("libomptarget.so", False), ("libgompd.so.1", False), ("libomptarget.rtl.x86_64.so", False),
-])
-def test_openmp_runtimes_are_told_from_their_sibling_libraries(name: str, is_runtime: bool) -> None:
-    assert bool(native_build._OPENMP_RUNTIME.fullmatch(name)) == is_runtime
-
-
-def test_a_failed_build_reports_the_compiler_error(tmp_path: Path) -> None:
-    source_dir = sources(tmp_path, "int broken(void) { return undeclared_name; }\n")
-    try:
-        native_build.compiler()
-    except native.NativeBuildError as error:
-        pytest.skip(f"no C compiler: {error}")
-    with pytest.raises(native.NativeBuildError, match="undeclared_name"):
-        native_build.build(tmp_path / "cache", source_dir=source_dir)
-    assert not list((tmp_path / "cache").iterdir())
-
-
 def test_auto_falls_back_to_the_reference_when_the_compiler_is_missing(
         no_compiler: None, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker_proc.attention_varlen"):
+    with caplog.at_level(logging.INFO, logger="worker_proc.attention"):
         backend = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16)
     assert type(backend) is TorchPagedAttention
     assert "native kernel is unavailable" in caplog.text and "no-such-cc" in caplog.text

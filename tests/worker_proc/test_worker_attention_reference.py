@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from worker_plans import BlockPool, Seq, make_plan
 
 from proto.messages import StepPlan
-from worker_proc.attention import TorchPagedAttention
+from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 512
@@ -51,7 +51,7 @@ def test_batched_decodes_equal_attending_each_member_alone(
         context_lens: list[int], num_scheduled: list[int], num_groups: int, dtype: torch.dtype,
         tolerance: float) -> None:
     plan = step(context_lens, num_scheduled)
-    meta = build_step_batch(plan, BLOCK_SIZE, NUM_BLOCKS).attn
+    meta = build_step_batch(plan, BLOCK_SIZE, NUM_BLOCKS, TorchPagedAttention()).attn
     assert len(meta.decodes) == num_groups
     generator = torch.Generator().manual_seed(0)
     num_tokens, num_slots = sum(num_scheduled), NUM_BLOCKS * BLOCK_SIZE

@@ -11,14 +11,10 @@ import torch
 from worker_plans import BlockPool, Seq, make_plan
 
 from proto.messages import StepPlan
-from worker_proc import attention_varlen
-from worker_proc.attention import AttentionBackend, TorchPagedAttention
-from worker_proc.attention_native import NativePagedAttention
-from worker_proc.attention_varlen import (
-    AttentionBackendError,
-    VarlenPagedAttention,
-    attention_backend_for,
-)
+from worker_proc.attention import AttentionBackend, AttentionBackendError, attention_backend_for, flash
+from worker_proc.attention.flash import VarlenPagedAttention
+from worker_proc.attention.native import NativePagedAttention
+from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -79,7 +75,7 @@ def test_varlen_backend_matches_the_reference_on_a_mixed_step(block_size: int) -
     k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
 
     def run(attention: AttentionBackend) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        meta = build_step_batch(plan, block_size, 16, attention.needs_packed_context).attn
+        meta = build_step_batch(plan, block_size, 16, attention).attn
         caches = caches_in_layout(attention, cache)
         out = attention.forward(q, k, v, caches[0], caches[1], meta)
         return out, [attention.kv_layout.slots_major(c) for c in caches]
@@ -94,7 +90,7 @@ def test_varlen_backend_matches_the_reference_on_a_mixed_step(block_size: int) -
 @pytest.fixture
 def flash_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     """flash-attn importable, as the contract kernel (selection only looks at the device type)."""
-    monkeypatch.setattr(attention_varlen, "load_flash_kernel", lambda: contract_kernel)
+    monkeypatch.setattr(flash, "load_flash_kernel", lambda: contract_kernel)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -112,7 +108,7 @@ def test_auto_never_picks_installed_flash_off_cuda_or_in_fp32(flash_installed: N
 
 
 def test_auto_on_cuda_without_flash_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention_varlen, "load_flash_kernel", lambda: None)
+    monkeypatch.setattr(flash, "load_flash_kernel", lambda: None)
     assert type(attention_backend_for(torch.device("cuda"), torch.bfloat16, 16)) is TorchPagedAttention
 
 

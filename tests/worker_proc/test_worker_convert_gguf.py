@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tiny_gguf import write_tiny_gguf
 from worker_plans import BlockPool, Seq, advance, make_plan, tiny_engine_config
 
-from worker_proc.convert_gguf import main as convert_main
+from worker_proc.tools.convert_gguf import main as convert_main
 from worker_proc.runner import ModelRunner
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 
 from proto.config import EngineConfig
-from worker_proc.attention import TorchPagedAttention
+from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.kv_cache import KVLayout, num_kv_blocks_for
 from worker_proc.loader import load_model
 from worker_proc.model_config import load_model_config, parse_model_config

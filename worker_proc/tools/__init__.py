@@ -1,1 +1,1 @@
-"""Measuring tools that run a worker's code outside the serving loop (python -m worker_proc.tools.NAME)."""
+"""Programs that run a worker's code outside the serving loop (python -m worker_proc.tools.NAME)."""

@@ -10,7 +10,7 @@ into one category by exclusive wall time (tools.stopwatch): linears, LM head, at
 rope, activations (silu * up), embedding, layer glue (views, splits, the Python between layers),
 plan building, sampler, runner glue. Each compute category is set against its floor at the
 measured peak (the larger of FLOPs / peak FLOP/s and bytes read / GB/s). The scheduler's side of a
-step (schedule, codec, the IPC round trip, update) comes from scheduler_proc.bench_overhead at the
+step (schedule, codec, the IPC round trip, update) comes from scheduler_proc.tools.bench_overhead at the
 same batch size, run as its own process.
 """
 
@@ -145,8 +145,8 @@ def profile(runner: ModelRunner, watch: Stopwatch, contexts: np.ndarray, num_sch
 
 
 def scheduler_side(num_seqs: int) -> dict[str, float]:
-    """Median per-step scheduler + IPC milliseconds by phase, from scheduler_proc.bench_overhead."""
-    done = subprocess.run([sys.executable, "-m", "scheduler_proc.bench_overhead", "--num-seqs", str(num_seqs),
+    """Median per-step scheduler + IPC milliseconds by phase, from scheduler_proc.tools.bench_overhead."""
+    done = subprocess.run([sys.executable, "-m", "scheduler_proc.tools.bench_overhead", "--num-seqs", str(num_seqs),
                            "--steps", "40"], capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-300:]}
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill chunk (0 = none)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=0, help="default: the worker's own choice")
-    parser.add_argument("--no-scheduler", action="store_true", help="skip scheduler_proc.bench_overhead")
+    parser.add_argument("--no-scheduler", action="store_true", help="skip scheduler_proc.tools.bench_overhead")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.decode_batches.split(",") if b]

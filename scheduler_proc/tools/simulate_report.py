@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_proc.simulate import GENERATING, SimResult, WorkloadSpec
+from scheduler_proc.tools.simulate import GENERATING, SimResult, WorkloadSpec
 
-# Display codes: the seat states of scheduler_proc.simulate (IDLE 0, GENERATING 1, HELD 2), plus
+# Display codes: the seat states of scheduler_proc.tools.simulate (IDLE 0, GENERATING 1, HELD 2), plus
 # 3 for a generating seat's every other occupant, so consecutive requests in one seat show apart.
 DISPLAY_COLOURS = ("#e8e8e8", "#2b7bba", "#e6550d", "#8cc0e3")
 LEGEND = (("#2b7bba", "generating (shade changes: the next request boarded)"),

@@ -1,6 +1,6 @@
 """Baseline for docs/benchmarks.md: Hugging Face `generate` over a trace in static batches.
 
-    python -m worker_proc.hf_baseline --model DIR --trace trace.jsonl --batch-size 32
+    python -m worker_proc.tools.hf_baseline --model DIR --trace trace.jsonl --batch-size 32
 
 Each batch is left-padded and generates until its longest member's output length (EOS ignored),
 as a padded static batch does; useful output tokens are the trace's output lengths, so the

@@ -1,4 +1,4 @@
-"""The ctypes front of the native CPU paged-attention kernel (csrc/, built by native_build.py).
+"""The ctypes front of the native CPU paged-attention kernel (worker_proc/csrc, built by native_build.py).
 
 One call per layer attends every token of the step: a decode is a member with one query, a
 prefill chunk's queries each see one position more. The C side checks every read against the cache
@@ -11,11 +11,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import re
 from pathlib import Path
 
 import torch
 
-from worker_proc.native_build import NativeBuildError, build, openmp_runtimes
+from worker_proc.attention.native_build import NativeBuildError, build
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32,
              ctypes.c_float, _I32, _I32, ctypes.POINTER(ctypes.c_int64)]
 PATHS = ("portable", "avx2", "avx512")  # paged_attention_path's return values, in order
+# GNU, Intel and LLVM OpenMP runtimes, also as wheels vendor them (libgomp-a34b3233.so.1); not
+# their siblings (libgompd, libomptarget).
+_OPENMP_RUNTIME = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]{8})?\.so(?:\.\d+)*")
 
 
 class PagedAttentionKernel:
@@ -135,3 +139,13 @@ def load_paged_attention(cpu_isa: str = "") -> PagedAttentionKernel:
                     ", ".join(sorted(runtimes)))
         cap = 1
     return PagedAttentionKernel(library, path, cap)
+
+
+def openmp_runtimes() -> set[str]:
+    """Distinct OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps
+                    if _OPENMP_RUNTIME.fullmatch(line.rstrip().rsplit("/", 1)[-1])}
+    except OSError:
+        return set()

@@ -1,6 +1,6 @@
 """Null-model overhead benchmark: schedule + encode + send + receive + update, per step.
 
-    python -m scheduler_proc.bench_overhead --num-seqs 256 --steps 200
+    python -m scheduler_proc.tools.bench_overhead --num-seqs 256 --steps 200
 
 Runs the real SchedulerEngine and codec against a real null-model worker process over ipc
 sockets (the worker samples without a model), with every request running at once, and reports

@@ -1,105 +1,39 @@
-"""Attention backends behind one small interface; the pure-torch paged attention is the reference."""
+"""The torch reference backend (CPU and GPU): paged attention in plain torch, what the others must equal."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from worker_proc.attention import RaggedBatch
+from worker_proc.attention.reference_metadata import (
+    DecodeGroup,
+    PrefillSpan,
+    ReferenceMetadata,
+    build_reference_metadata,
+)
 from worker_proc.kv_cache import KVLayout
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Single-token members attended together, each context padded to the group's longest."""
-
-    # None when the group is the whole step (every token a decode): rows 0..n-1 in order.
-    token_rows: torch.Tensor | None  # int64 [num_members] query row of each member
-    slots: torch.Tensor  # int64 [num_members, max_context] padded with the member's last slot
-    mask: torch.Tensor | None  # float32 [num_members, 1, max_context] 0 or -inf; None = no padding
-
-
-@dataclass(frozen=True)
-class PrefillSpan:
-    """One multi-token member (a prefill chunk): its query rows and what it attends to."""
-
-    token_start: int
-    token_end: int
-    # None when the chunk starts at position 0: it attends only to itself, causally.
-    context_slots: torch.Tensor | None  # int64 [context_len] cache slot of every context position
-    mask: torch.Tensor | None  # bool [num_q, context_len] True = may attend (causal with offset)
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs about one ragged step; built once per step, shared by all layers.
-
-    Invariant: slot_mapping[t] is where token t's K/V are written before any layer reads them, so a
-    member's context (cached prefix + this step's tokens) is always fully present in the cache.
-    """
-
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
-    max_seqlen_q: int
-    max_context_len: int
-    # Single-token members in one or two groups of similar context length (less padding).
-    decodes: tuple[DecodeGroup, ...]
-    prefills: tuple[PrefillSpan, ...]
-    # For varlen kernels (attention_varlen): the whole ragged batch at once.
-    cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1] offsets of each member's context
-    context_slots: torch.Tensor | None = None  # int64 [total_context] every member's context, packed
-    # For kernels that read the paged cache through block_tables, one query per token (attention_native).
-    token_members: torch.Tensor | None = None  # int32 [num_tokens] each token's member (block table row)
-    token_context_lens: torch.Tensor | None = None  # int32 [num_tokens] positions it sees (position + 1)
-
-    def to(self, device: torch.device) -> AttentionMetadata:
-        moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self)}
-        moved["decodes"] = tuple(DecodeGroup(*(_move(getattr(g, f.name), device) for f in fields(g)))
-                                 for g in self.decodes)
-        moved["prefills"] = tuple(PrefillSpan(*(_move(getattr(p, f.name), device) for f in fields(p)))
-                                  for p in self.prefills)
-        return AttentionMetadata(**moved)
-
-
-def _move(value: object, device: torch.device) -> object:
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-
-
-class AttentionBackend(Protocol):
-    # True when the step's AttentionMetadata must carry context_slots (built only when asked).
-    needs_packed_context: bool
-    # True when decodes copy each member's context out of the cache (a per-layer scratch of up to
-    # max_num_seqs x max_model_len tokens of K and V that the GPU memory budget must leave room for).
-    gathers_context: bool
-    # How the runner lays out the KV cache for this backend (kv_cache.KVLayout).
-    kv_layout: KVLayout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        k_cache, v_cache: flat views in kv_layout, kv_layout.shape((num_slots,), kv_heads, head_dim).
-        Writes this step's k, v into the caches and returns [num_tokens, num_heads * head_dim]."""
-        ...
 
 
 class TorchPagedAttention:
     """Reference backend (CPU and GPU): batched matmuls for decodes, SDPA for prefill chunks, over
     K/V gathered from a HEADS_MAJOR cache, k_cache and v_cache [num_kv_heads, num_slots, head_dim]."""
 
-    needs_packed_context = False
     gathers_context = True
     kv_layout = KVLayout.HEADS_MAJOR
 
     def __init__(self) -> None:
         self.scratch = ScratchBuffers()
 
+    def build_metadata(self, batch: RaggedBatch) -> ReferenceMetadata:
+        return build_reference_metadata(batch)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta)
+                v_cache: torch.Tensor, meta: ReferenceMetadata) -> torch.Tensor:
+        """Shapes as AttentionBackend.forward."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         out = self.decode(q, k_cache, v_cache, meta)
         if meta.prefills:
@@ -107,7 +41,7 @@ class TorchPagedAttention:
         return out.view(num_tokens, num_heads * head_dim)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: ReferenceMetadata) -> torch.Tensor:
         """[num_tokens, num_heads, head_dim] with every decode row attended; prefill rows unset."""
         if len(meta.decodes) == 1 and meta.decodes[0].token_rows is None:  # nothing to scatter
             return _decode(q, k_cache, v_cache, meta.decodes[0], self.scratch)
@@ -117,17 +51,17 @@ class TorchPagedAttention:
         return out
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+                v_cache: torch.Tensor, meta: ReferenceMetadata, out: torch.Tensor) -> None:
         """Writes every prefill chunk's rows of out [num_tokens, num_heads, head_dim]."""
         for span in meta.prefills:
             out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata) -> None:
+             slot_mapping: torch.Tensor) -> None:
     """This step's k, v [num_tokens, num_kv_heads, head_dim] into HEADS_MAJOR caches at slot_mapping."""
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 class ScratchBuffers:

@@ -1,6 +1,6 @@
 """The slot simulator: the real SchedulerEngine, static vs continuous, on the same arrivals.
 
-    python -m scheduler_proc.simulate --num-requests 64 --num-slots 8 [--lengths heavy|uniform]
+    python -m scheduler_proc.tools.simulate --num-requests 64 --num-slots 8 [--lengths heavy|uniform]
 
 No model and no worker: every plan the engine makes is answered at once with a synthetic
 StepResult (one ordinary token per sampling member), so a "step" is one schedule/apply round of
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = [simulate(workload, args.num_slots, policy) for policy in POLICIES]
     within_steps = args.within_steps or min(r.num_steps for r in results)
-    from scheduler_proc.simulate_report import report, write_timeline
+    from scheduler_proc.tools.simulate_report import report, write_timeline
 
     print(report(spec, args.num_slots, results, within_steps))
     if not args.no_plot:

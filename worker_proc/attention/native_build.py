@@ -1,4 +1,4 @@
-"""Compiles the native CPU attention kernel (csrc/) once per machine and ISA cap, and caches it.
+"""Compiles the native CPU attention kernel (worker_proc/csrc) once per machine and ISA cap, and caches it.
 
 The shared library is cached in $CONVEYOR_CACHE/native under a key of the sources, the compiler's
 version, the flags and this CPU's feature flags (-march=native code must never run on another CPU).
@@ -10,7 +10,8 @@ once: each renames a complete file into place.
 
 The kernel threads with OpenMP. Linked by soname (libgomp.so.1), it shares the OpenMP runtime that
 torch's CPU wheels already loaded, so its threads are torch's own pool; a second runtime in the
-process would leave two sets of spinning threads on the same cores (native.py then runs one thread).
+process would leave two sets of spinning threads on the same cores (native_kernel.py then runs one
+thread).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +28,7 @@ from proto.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCE_DIR = Path(__file__).parent.parent / "csrc"  # worker_proc/csrc
 FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 LIBS = ("-lm",)
 # EngineConfig.cpu_isa -> the code generation flags; x86-64-v3 is AVX2 + FMA + F16C, v4 AVX-512.
@@ -36,9 +36,6 @@ ARCH_FLAGS = {"": ("-march=native",), "baseline": ("-march=x86-64",), "avx2": ("
               "avx512": ("-march=x86-64-v4",), "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16"),
               "amx": ("-march=x86-64-v4", "-mavx512bf16")}
 BUILD_TIMEOUT_S = 300
-# GNU, Intel and LLVM OpenMP runtimes, also as wheels vendor them (libgomp-a34b3233.so.1); not
-# their siblings (libgompd, libomptarget).
-_OPENMP_RUNTIME = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]{8})?\.so(?:\.\d+)*")
 
 
 class NativeBuildError(RuntimeError):
@@ -127,13 +124,3 @@ def _cpu_flags() -> str:
         import platform
 
         return platform.processor()
-
-
-def openmp_runtimes() -> set[str]:
-    """Distinct OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return {line.split()[-1] for line in maps
-                    if _OPENMP_RUNTIME.fullmatch(line.rstrip().rsplit("/", 1)[-1])}
-    except OSError:
-        return set()

@@ -1,4 +1,4 @@
-"""Converts a GGUF file into a standard HF checkpoint: `python -m worker_proc.convert_gguf GGUF OUT_DIR`."""
+"""Converts a GGUF file into a standard HF checkpoint: `python -m worker_proc.tools.convert_gguf GGUF OUT_DIR`."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def _replace_dir(staging: Path, out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker_proc.convert_gguf",
+    parser = argparse.ArgumentParser(prog="python -m worker_proc.tools.convert_gguf",
                                      description="Convert a Llama-family GGUF file to HF safetensors.")
     parser.add_argument("gguf_path")
     parser.add_argument("out_dir")

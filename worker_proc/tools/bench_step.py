@@ -1,7 +1,7 @@
 """Worker step benchmark: prefill and decode step times of one rank, per attention backend.
 
-    python -m worker_proc.bench_step --out bench_step.json            # random SmolLM2-shaped model
-    python -m worker_proc.bench_step --model /path/to/hf-model --batch-sizes 1,32,128
+    python -m worker_proc.tools.bench_step --out bench_step.json            # random SmolLM2-shaped model
+    python -m worker_proc.tools.bench_step --model /path/to/hf-model --batch-sizes 1,32,128
 
 Builds sequences of --context tokens (prefilled in chunks), then times --steps decode steps at
 each batch size, for the torch reference attention and every fast path that runs here: on CUDA
@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from proto.config import EngineConfig
-from worker_proc.attention import AttentionBackend
-from worker_proc.attention_varlen import AttentionBackendError, attention_backend_for
+from worker_proc.attention import AttentionBackend, AttentionBackendError, attention_backend_for
 from worker_proc.batch import synthetic_plan
 from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model import Attention
@@ -112,7 +111,7 @@ def time_batch(runner: ModelRunner, batch_size: int, context: int, steps: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker_proc.bench_step", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m worker_proc.tools.bench_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model directory (default: random SmolLM2 shape)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
