@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.model_info import ModelError, read_model_info
+from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
@@ -54,7 +54,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling", choices=SCHEDULING_POLICIES, default=defaults.scheduling)
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context length")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
+                        help="0 = the model's context length")
     parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                         help="waiting-queue limit; requests beyond it get 429")
     parser.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens,
@@ -97,17 +98,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model)
     info = read_model_info(model_dir)
-    max_model_len = args.max_model_len or info.max_position_embeddings
-    if max_model_len > info.max_position_embeddings:
-        raise ValidationError(f"--max-model-len {max_model_len} exceeds the model's context length "
-                              f"{info.max_position_embeddings}")
     config = EngineConfig(
         model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
         dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting, max_waiting_tokens=args.max_waiting_tokens,
         max_request_body_bytes=args.max_request_body_size,
         scheduling=args.scheduling, null_model=args.null_model,
@@ -115,13 +112,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         num_threads=args.num_threads,
-        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
+        eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
         api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         **placement_fields(args, info))
     check_placement(config)
-    return config
+    return resolve_model_facts(config, info)
 
 
 def serve(args: argparse.Namespace) -> int:

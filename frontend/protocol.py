@@ -8,7 +8,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.errors import APIError, describe_pydantic_errors
-from proto.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+from proto.sampling import DEFAULTS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 
 
 class _Strict(BaseModel):
@@ -34,7 +34,8 @@ def _documented(default: Any = None, **schema: Any) -> Any:
 
 
 class SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. None means "not sent": the
+    request then gets SamplingParams' default (proto.sampling.DEFAULTS, the one place they live)."""
 
     model: str | None = None
     max_tokens: int | None = _documented(minimum=1)
@@ -54,8 +55,8 @@ class SamplingFields(_Strict):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
-    ignore_eos: bool = False
-    min_tokens: int = _documented(0, minimum=0)
+    ignore_eos: bool = DEFAULTS.ignore_eos
+    min_tokens: int = _documented(DEFAULTS.min_tokens, minimum=0)
     top_k: int | None = _documented(minimum=-1)  # at most the vocabulary size
     min_p: float | None = _documented(minimum=0, maximum=1)
     repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=10)

@@ -1,7 +1,8 @@
-"""Per-request sampling and stopping parameters, validated once at the frontend boundary."""
+"""Per-request sampling and stopping parameters: their defaults, and their validation (once, on construction)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 from proto.errors import ValidationError
@@ -21,7 +22,7 @@ class SamplingParams:
     derived from (seed, position, token id), so a row never depends on its batch-mates.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # OpenAI's documented default for /v1/completions
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = disabled
@@ -50,8 +51,10 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValidationError naming the field, the limit and the value."""
+    def validate(self) -> None:
+        """Raise ValidationError naming the field, the limit and the value. Construction runs it,
+        so the frontend's SamplingParams and every decoded one are checked exactly once; what
+        needs the vocabulary is `check_vocab`'s."""
         _check_type("max_tokens", self.max_tokens, int)
         _check_range("max_tokens", self.max_tokens, 1, None)
         _check_type("temperature", self.temperature, float)
@@ -59,7 +62,7 @@ class SamplingParams:
         _check_type("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
             raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        check_top_k(self.top_k, vocab_size)
+        check_top_k(self.top_k, None)
         _check_type("min_p", self.min_p, float)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_type("repetition_penalty", self.repetition_penalty, float)
@@ -82,7 +85,7 @@ class SamplingParams:
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}",
                 "stop_token_ids")
         for token_id in self.stop_token_ids:
-            _check_token_id("stop_token_ids", token_id, vocab_size)
+            _check_token_id("stop_token_ids", token_id, None)
         _check_type("n", self.n, int)
         _check_range("n", self.n, 1, MAX_N)
         for name in ("logprobs", "prompt_logprobs"):
@@ -93,9 +96,14 @@ class SamplingParams:
                 f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}",
                 "logit_bias")
         for token_id, bias in self.logit_bias:
-            _check_token_id("logit_bias", token_id, vocab_size)
+            _check_token_id("logit_bias", token_id, None)
             _check_type("logit_bias", bias, float)
             _check_range("logit_bias", bias, -100.0, 100.0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValidationError when top_k or a token id is beyond a vocabulary of vocab_size."""
+        check_vocab_bounds(vocab_size, self.top_k, self.stop_token_ids,
+                           [token_id for token_id, _ in self.logit_bias])
 
     def to_wire(self) -> list:
         """Field values in declaration order (tuples become lists for msgpack)."""
@@ -120,6 +128,17 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty"):
             kwargs[name] = _int_as_float(kwargs[name])
         return cls(**kwargs)
+
+
+def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[object],
+                       logit_bias_token_ids: Iterable[object]) -> None:
+    """The checks that need the model's vocabulary (a decoder does not know it): top_k at most
+    the vocabulary, every token id inside it."""
+    check_top_k(top_k, vocab_size)
+    for token_id in stop_token_ids:
+        _check_token_id("stop_token_ids", token_id, vocab_size)
+    for token_id in logit_bias_token_ids:
+        _check_token_id("logit_bias", token_id, vocab_size)
 
 
 def _int_as_float(value: object) -> object:
@@ -164,3 +183,8 @@ def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None
     if vocab_size is not None and token_id >= vocab_size:
         raise ValidationError(
             f"{name} token id {token_id} is out of range for a vocabulary of {vocab_size}", name)
+
+
+# Every sampling default lives in SamplingParams; the HTTP models and the frontend's request
+# mapping read them here instead of writing them again.
+DEFAULTS = SamplingParams()
