@@ -101,7 +101,7 @@ def _base_config(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model_dir)
     info = read_model_info(model_dir)
     return resolve_model_facts(EngineConfig(
-        model=str(model_dir), served_model_name=model_dir.name, dtype=args.dtype,
+        model=str(model_dir), dtype=args.dtype,
         scheduling=args.scheduling, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, eos_token_ids=info.eos_token_ids, num_threads=args.num_threads,
         port=args.port, ready_timeout_s=args.ready_timeout, shutdown_timeout_s=10.0, log_level="warning"),

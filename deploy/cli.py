@@ -40,12 +40,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local HF model directory or cached model id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port)
-    parser.add_argument("--served-model-name", default="")
-    parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--served-model-name", default=defaults.served_model_name,
+                        help="the model's name in the API (default: the model directory's name)")
+    parser.add_argument("--api-key", default=defaults.api_key, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
                         help="auto: bfloat16 where the CPU (AMX, AVX512-BF16, AVX-NE-CONVERT) or GPU "
                              "computes it natively, else float32")
-    parser.add_argument("--cpu-isa", choices=CPU_ISAS, default="",
+    parser.add_argument("--cpu-isa", choices=CPU_ISAS, default=defaults.cpu_isa,
                         help=f"use at most this CPU instruction set (default: all the CPU has; also "
                              f"${CAP_VARIABLE}); for testing other CPUs' paths")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
@@ -67,7 +68,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of cached KV blocks across requests")
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=defaults.long_prefill_token_threshold,
                         help="prompts longer than this get at most this many tokens per step (0 = off)")
     parser.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills,
                         help="how many long prompts may be partially prefilled in one step")
@@ -76,9 +78,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         help="GPU: share of each GPU's memory for weights, activations and the KV "
                              "cache, which gets what a profiled full-size step leaves (default 0.9)")
-    parser.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
+    parser.add_argument("--num-kv-blocks", type=int, default=defaults.num_kv_blocks,
+                        help="override the KV block count")
     add_placement_arguments(parser)  # --tensor-parallel-size, --devices, --nnodes, --master-addr...
-    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per worker")
+    parser.add_argument("--num-threads", type=int, default=defaults.num_threads,
+                        help="torch threads per worker")
     parser.add_argument("--null-model", action="store_true",
                         help="sample without running a model (measures scheduler + IPC overhead)")
     parser.add_argument("--ready-timeout", type=float, default=defaults.ready_timeout_s)
@@ -99,7 +103,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model)
     info = read_model_info(model_dir)
     config = EngineConfig(
-        model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
+        model=str(model_dir), served_model_name=args.served_model_name,
         dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,

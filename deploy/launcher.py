@@ -25,7 +25,7 @@ import zmq
 
 from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
-from deploy.model_info import ModelError, read_model_info, resolve_model_facts
+from deploy.model_info import ModelError, needs_model_facts, read_model_info, resolve_model_facts
 from deploy.placement import check_transport
 from deploy.restarts import RestartBudget
 from proto import codec, sockets
@@ -96,7 +96,7 @@ class Stack:
         try:
             check_devices(self.config, gpus)
             check_transport(self.config)
-            if not (self.config.max_model_len and self.config.vocab_size):  # not from `conveyor serve`
+            if needs_model_facts(self.config):  # not from `conveyor serve`
                 self.config = resolve_model_facts(self.config, read_model_info(Path(self.config.model)))
             self.config = resolve_dtype(self.config, bool(gpus), os.environ)
         except (ModelError, ValidationError) as exc:

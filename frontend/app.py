@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import os
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
@@ -27,8 +26,8 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
                tokenizer: Tokenizer | None = None) -> FastAPI:
     """Build the app; the engine client is started and closed by the app's lifespan."""
     tokenizer = tokenizer or Tokenizer.from_dir(config.model)
-    model_name = served_model_name(config)
     # The supervisor resolved the model's facts into the config: nothing is read again here.
+    model_name = config.served_model_name
     limits = ModelLimits(max_model_len=config.max_model_len, vocab_size=config.vocab_size)
     metrics = FrontendMetrics(model_name, max_num_seqs=config.max_num_seqs,
                               max_model_len=limits.max_model_len,
@@ -59,10 +58,6 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
-
-
-def served_model_name(config: EngineConfig) -> str:
-    return config.served_model_name or os.path.basename(config.model.rstrip("/")) or "conveyor"
 
 
 class ApiKeyMiddleware:
