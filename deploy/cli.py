@@ -42,7 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--served-model-name", default=defaults.served_model_name,
                         help="the model's name in the API (default: the model directory's name)")
-    parser.add_argument("--api-key", default=defaults.api_key, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=defaults.api_key,
+                        help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
                         help="auto: bfloat16 where the CPU (AMX, AVX512-BF16, AVX-NE-CONVERT) or GPU "
                              "computes it natively, else float32")

@@ -1,4 +1,4 @@
-"""Per-request sampling and stopping parameters: their defaults, and their validation (once, on construction)."""
+"""Per-request sampling and stopping parameters: their defaults, ranges and validation (on construction)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
+# Closed ranges the fields must lie in; the HTTP schema states these same ones to clients.
+RANGES = {"temperature": (0.0, 100.0), "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+          "frequency_penalty": (-2.0, 2.0), "logit_bias": (-100.0, 100.0), "seed": (-(2**63), 2**63 - 1)}
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty is in (0, this]
 
 
 @dataclass(frozen=True)
@@ -58,24 +62,25 @@ class SamplingParams:
         _check_type("max_tokens", self.max_tokens, int)
         _check_range("max_tokens", self.max_tokens, 1, None)
         _check_type("temperature", self.temperature, float)
-        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("temperature", self.temperature, *RANGES["temperature"])
         _check_type("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
             raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         check_top_k(self.top_k, None)
         _check_type("min_p", self.min_p, float)
-        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("min_p", self.min_p, *RANGES["min_p"])
         _check_type("repetition_penalty", self.repetition_penalty, float)
-        if not 0.0 < self.repetition_penalty <= 10.0:
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValidationError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty}",
                 "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_type(name, getattr(self, name), float)
-            _check_range(name, getattr(self, name), -2.0, 2.0)
+            _check_range(name, getattr(self, name), *RANGES[name])
         if self.seed is not None:
             _check_type("seed", self.seed, int)
-            _check_range("seed", self.seed, -(2**63), 2**63 - 1)
+            _check_range("seed", self.seed, *RANGES["seed"])
         _check_type("min_tokens", self.min_tokens, int)
         _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
         if not isinstance(self.ignore_eos, bool):
@@ -98,7 +103,7 @@ class SamplingParams:
         for token_id, bias in self.logit_bias:
             _check_token_id("logit_bias", token_id, None)
             _check_type("logit_bias", bias, float)
-            _check_range("logit_bias", bias, -100.0, 100.0)
+            _check_range("logit_bias", bias, *RANGES["logit_bias"])
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValidationError when top_k or a token id is beyond a vocabulary of vocab_size."""

@@ -98,7 +98,8 @@ def test_unresolved_model_facts_become_the_model_s_and_given_ones_stay(tiny_mode
     resolved = resolve_model_facts(EngineConfig(model=str(tiny_model_dir)), info)
     assert (resolved.max_model_len, resolved.vocab_size) == (512, 512)
     assert resolved.served_model_name == tiny_model_dir.name
-    given = resolve_model_facts(EngineConfig(model=str(tiny_model_dir), max_model_len=128, vocab_size=600), info)
+    given = resolve_model_facts(EngineConfig(model=str(tiny_model_dir), max_model_len=128, vocab_size=600),
+                                info)
     assert (given.max_model_len, given.vocab_size) == (128, 600)
     assert resolve_model_facts(resolved, info) == resolved
     with pytest.raises(ValidationError, match="--max-model-len 513 exceeds the model's context length 512"):
