@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from deploy.launcher import Stack, StartupError
-from deploy.model_info import ModelError, read_model_info
+from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.replay import BenchError, ReplayOptions, add_replay_arguments, replay, replay_options
 from deploy.trace import TraceEntry, add_trace_arguments, save_trace, trace_from_args
@@ -100,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
 def _base_config(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model_dir)
     info = read_model_info(model_dir)
-    return EngineConfig(
-        model=str(model_dir), served_model_name=model_dir.name, dtype=args.dtype,
+    return resolve_model_facts(EngineConfig(
+        model=str(model_dir), dtype=args.dtype,
         scheduling=args.scheduling, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks, max_model_len=info.max_position_embeddings,
-        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, num_threads=args.num_threads,
-        port=args.port, ready_timeout_s=args.ready_timeout, shutdown_timeout_s=10.0, log_level="warning")
+        num_kv_blocks=args.num_kv_blocks, eos_token_ids=info.eos_token_ids, num_threads=args.num_threads,
+        port=args.port, ready_timeout_s=args.ready_timeout, shutdown_timeout_s=10.0, log_level="warning"),
+        info)
 
 
 def _check_fits(entries: list[TraceEntry], config: EngineConfig) -> None:

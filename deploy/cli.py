@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.model_info import ModelError, read_model_info
+from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
@@ -40,12 +40,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local HF model directory or cached model id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port)
-    parser.add_argument("--served-model-name", default="")
-    parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--served-model-name", default=defaults.served_model_name,
+                        help="the model's name in the API (default: the model directory's name)")
+    parser.add_argument("--api-key", default=defaults.api_key,
+                        help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
                         help="auto: bfloat16 where the CPU (AMX, AVX512-BF16, AVX-NE-CONVERT) or GPU "
                              "computes it natively, else float32")
-    parser.add_argument("--cpu-isa", choices=CPU_ISAS, default="",
+    parser.add_argument("--cpu-isa", choices=CPU_ISAS, default=defaults.cpu_isa,
                         help=f"use at most this CPU instruction set (default: all the CPU has; also "
                              f"${CAP_VARIABLE}); for testing other CPUs' paths")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
@@ -54,7 +56,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling", choices=SCHEDULING_POLICIES, default=defaults.scheduling)
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context length")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
+                        help="0 = the model's context length")
     parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                         help="waiting-queue limit; requests beyond it get 429")
     parser.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens,
@@ -66,7 +69,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of cached KV blocks across requests")
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=defaults.long_prefill_token_threshold,
                         help="prompts longer than this get at most this many tokens per step (0 = off)")
     parser.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills,
                         help="how many long prompts may be partially prefilled in one step")
@@ -75,9 +79,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         help="GPU: share of each GPU's memory for weights, activations and the KV "
                              "cache, which gets what a profiled full-size step leaves (default 0.9)")
-    parser.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
+    parser.add_argument("--num-kv-blocks", type=int, default=defaults.num_kv_blocks,
+                        help="override the KV block count")
     add_placement_arguments(parser)  # --tensor-parallel-size, --devices, --nnodes, --master-addr...
-    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per worker")
+    parser.add_argument("--num-threads", type=int, default=defaults.num_threads,
+                        help="torch threads per worker")
     parser.add_argument("--null-model", action="store_true",
                         help="sample without running a model (measures scheduler + IPC overhead)")
     parser.add_argument("--ready-timeout", type=float, default=defaults.ready_timeout_s)
@@ -97,17 +103,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model)
     info = read_model_info(model_dir)
-    max_model_len = args.max_model_len or info.max_position_embeddings
-    if max_model_len > info.max_position_embeddings:
-        raise ValidationError(f"--max-model-len {max_model_len} exceeds the model's context length "
-                              f"{info.max_position_embeddings}")
     config = EngineConfig(
-        model=str(model_dir), served_model_name=args.served_model_name or model_dir.name,
+        model=str(model_dir), served_model_name=args.served_model_name,
         dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting, max_waiting_tokens=args.max_waiting_tokens,
         max_request_body_bytes=args.max_request_body_size,
         scheduling=args.scheduling, null_model=args.null_model,
@@ -115,13 +117,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         num_threads=args.num_threads,
-        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
+        eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
         api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         **placement_fields(args, info))
     check_placement(config)
-    return config
+    return resolve_model_facts(config, info)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ import zmq
 
 from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
+from deploy.model_info import ModelError, needs_model_facts, read_model_info, resolve_model_facts
 from deploy.placement import check_transport
 from deploy.restarts import RestartBudget
 from proto import codec, sockets
@@ -95,8 +96,10 @@ class Stack:
         try:
             check_devices(self.config, gpus)
             check_transport(self.config)
+            if needs_model_facts(self.config):  # not from `conveyor serve`
+                self.config = resolve_model_facts(self.config, read_model_info(Path(self.config.model)))
             self.config = resolve_dtype(self.config, bool(gpus), os.environ)
-        except ValidationError as exc:
+        except (ModelError, ValidationError) as exc:
             raise StartupError(str(exc)) from exc
         log.info("dtype %s: %s", self.config.dtype, self.config.dtype_reason)
         if self._owns_runtime_dir:

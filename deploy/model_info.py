@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from proto.config import EngineConfig
+from proto.errors import ValidationError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )
@@ -48,6 +51,25 @@ def read_model_info(model_dir: Path) -> ModelInfo:
         num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
     )
+
+
+def resolve_model_facts(config: EngineConfig, info: ModelInfo) -> EngineConfig:
+    """config with the model's facts resolved, as every process receives it: max_model_len 0
+    becomes the model's context length (a longer one is refused), vocab_size 0 the model's
+    vocabulary, served_model_name "" the model directory's name. No process reads config.json
+    again, or falls back on its own, to learn them."""
+    context = info.max_position_embeddings
+    max_model_len = config.max_model_len or context
+    if max_model_len > context:
+        raise ValidationError(f"--max-model-len {max_model_len} exceeds the model's context length "
+                              f"{context}", "max_model_len")
+    return config.with_updates(max_model_len=max_model_len, vocab_size=config.vocab_size or info.vocab_size,
+                               served_model_name=config.served_model_name or info.model_dir.name)
+
+
+def needs_model_facts(config: EngineConfig) -> bool:
+    """Whether a value resolve_model_facts fills in is still unset (a config built by hand)."""
+    return not (config.max_model_len and config.vocab_size and config.served_model_name)
 
 
 def _eos_token_ids(model_dir: Path, config: dict) -> tuple[int, ...]:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
-import os
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -29,9 +26,9 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
                tokenizer: Tokenizer | None = None) -> FastAPI:
     """Build the app; the engine client is started and closed by the app's lifespan."""
     tokenizer = tokenizer or Tokenizer.from_dir(config.model)
-    model_name = served_model_name(config)
-    limits = ModelLimits(max_model_len=resolve_max_model_len(config),
-                         vocab_size=config.vocab_size or tokenizer.vocab_size)
+    # The supervisor resolved the model's facts into the config: nothing is read again here.
+    model_name = config.served_model_name
+    limits = ModelLimits(max_model_len=config.max_model_len, vocab_size=config.vocab_size)
     metrics = FrontendMetrics(model_name, max_num_seqs=config.max_num_seqs,
                               max_model_len=limits.max_model_len,
                               max_num_batched_tokens=config.max_num_batched_tokens)
@@ -61,23 +58,6 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
-
-
-def served_model_name(config: EngineConfig) -> str:
-    return config.served_model_name or os.path.basename(config.model.rstrip("/")) or "conveyor"
-
-
-def resolve_max_model_len(config: EngineConfig) -> int:
-    """config.max_model_len, or (when 0) the model's max_position_embeddings from config.json."""
-    if config.max_model_len:
-        return config.max_model_len
-    model_config = Path(config.model) / "config.json"
-    if model_config.is_file():
-        value = json.loads(model_config.read_text()).get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(f"max_model_len is 0 and {model_config} has no max_position_embeddings: "
-                     f"set max_model_len")
 
 
 class ApiKeyMiddleware:

@@ -8,7 +8,15 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.errors import APIError, describe_pydantic_errors
-from proto.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+from proto.sampling import (
+    DEFAULTS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+)
 
 
 class _Strict(BaseModel):
@@ -33,32 +41,40 @@ def _documented(default: Any = None, **schema: Any) -> Any:
     return Field(default=default, json_schema_extra=schema)
 
 
+def _in_range(name: str) -> Any:
+    """An optional field documented with SamplingParams' range for it (proto.sampling.RANGES)."""
+    low, high = RANGES[name]
+    return _documented(minimum=low, maximum=high)
+
+
 class SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. None means "not sent": the
+    request then gets SamplingParams' default (proto.sampling.DEFAULTS, the one place they live)."""
 
     model: str | None = None
     max_tokens: int | None = _documented(minimum=1)
-    temperature: float | None = _documented(minimum=0, maximum=100)
+    temperature: float | None = _in_range("temperature")
     top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
     n: int | None = _documented(minimum=1, maximum=MAX_N)
     best_of: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = _documented(minimum=-(2**63), maximum=2**63 - 1)
+    seed: int | None = _in_range("seed")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
-    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    presence_penalty: float | None = _in_range("presence_penalty")
+    frequency_penalty: float | None = _in_range("frequency_penalty")
     logit_bias: dict[str, float] | None = _documented(
         maxProperties=MAX_LOGIT_BIAS_ENTRIES, propertyNames={"pattern": "^[0-9]{1,9}$"},
-        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
+        additionalProperties={"type": "number", "minimum": RANGES["logit_bias"][0],
+                              "maximum": RANGES["logit_bias"][1]})
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
-    ignore_eos: bool = False
-    min_tokens: int = _documented(0, minimum=0)
+    ignore_eos: bool = DEFAULTS.ignore_eos
+    min_tokens: int = _documented(DEFAULTS.min_tokens, minimum=0)
     top_k: int | None = _documented(minimum=-1)  # at most the vocabulary size
-    min_p: float | None = _documented(minimum=0, maximum=1)
-    repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=10)
+    min_p: float | None = _in_range("min_p")
+    repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
                                                    items={"type": "integer", "minimum": 0})
 

@@ -8,19 +8,27 @@ from typing import Any
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from frontend.tokenizer import Tokenizer
+from proto.config import prompt_fits
 from proto.errors import ValidationError
-from proto.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, check_top_k
+from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_vocab_bounds
 
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
 @dataclass(frozen=True)
 class ModelLimits:
+    """The model facts requests are checked against, as the supervisor resolved them."""
+
     max_model_len: int
     vocab_size: int  # the model's (may exceed the tokenizer's): bounds token ids in requests
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1 or self.vocab_size < 1:
+            raise ValueError(f"max_model_len {self.max_model_len} and vocab_size {self.vocab_size} "
+                             f"must be resolved (>= 1) before the frontend starts: the supervisor "
+                             f"fills them in from the model")
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: Mod
     prompt = _single_prompt(request.prompt)
     prompt_ids = completion_prompt_ids(prompt, tokenizer, limits)
     room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
-    default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
     return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits,
@@ -119,7 +127,7 @@ def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, param: 
     """400 without tokenizing when `text` has at least max_model_len tokens by its length alone:
     tokenizing megabytes costs seconds of CPU for a request that must fail anyway."""
     at_least = tokenizer.min_num_tokens(text)
-    if at_least >= max_model_len:
+    if not prompt_fits(at_least, max_model_len):
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the "
                           f"prompt has at least {at_least} tokens ({len(text)} characters, no token "
                           f"longer than {tokenizer.max_token_bytes} bytes)", param,
@@ -149,7 +157,7 @@ def _check_choices(request: SamplingFields) -> None:
         raise bad_request(f"response_format type {response_format.type!r} is not supported yet: "
                           f"send {{\"type\": \"text\"}} or leave response_format out",
                           "response_format", "unsupported_response_format")
-    n = _or(request.n, 1)
+    n = _or(request.n, DEFAULTS.n)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     if request.best_of not in (None, 1, n):
@@ -180,7 +188,7 @@ def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: Mo
     wanted = "" if max_tokens is None else f" (plus max_tokens {max_tokens})"
     message = (f"This model's maximum context length is {limits.max_model_len} tokens, "
                f"but the prompt has {num_prompt} tokens{wanted}")
-    if num_prompt >= limits.max_model_len:
+    if not prompt_fits(num_prompt, limits.max_model_len):
         raise bad_request(message, prompt_param, "context_length_exceeded")
     if max_tokens is not None and max_tokens > 0 and num_prompt + max_tokens > limits.max_model_len:
         raise bad_request(message, "max_tokens", "context_length_exceeded")
@@ -202,29 +210,24 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
 
 def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
                      logprob_fields: dict[str, int]) -> SamplingParams:
+    """Fields the client left out (None) take SamplingParams' defaults. The vocabulary bounds
+    come first, so a huge top_k is told the vocabulary size rather than int32's."""
+    given = {"n": request.n, "temperature": request.temperature, "top_p": request.top_p,
+             "top_k": request.top_k, "min_p": request.min_p,
+             "repetition_penalty": request.repetition_penalty,
+             "presence_penalty": request.presence_penalty,
+             "frequency_penalty": request.frequency_penalty, "seed": request.seed}
+    stop_token_ids = tuple(request.stop_token_ids or ())
+    logit_bias = _logit_bias(request.logit_bias, vocab_size)
     try:
-        check_top_k(_or(request.top_k, 0), vocab_size)  # before the int32 bound of construction
-        params = SamplingParams(
-            n=_or(request.n, 1),
-            max_tokens=max_tokens,
-            temperature=_or(request.temperature, 1.0),
-            top_p=_or(request.top_p, 1.0),
-            top_k=_or(request.top_k, 0),
-            min_p=_or(request.min_p, 0.0),
-            repetition_penalty=_or(request.repetition_penalty, 1.0),
-            presence_penalty=_or(request.presence_penalty, 0.0),
-            frequency_penalty=_or(request.frequency_penalty, 0.0),
-            seed=request.seed,
-            min_tokens=request.min_tokens,
-            ignore_eos=request.ignore_eos,
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            logit_bias=_logit_bias(request.logit_bias, vocab_size),
-            **logprob_fields,
-        )
-        params.validate(vocab_size)
+        check_vocab_bounds(vocab_size, _or(request.top_k, DEFAULTS.top_k), stop_token_ids,
+                           [token_id for token_id, _ in logit_bias])
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
+            stop_token_ids=stop_token_ids, logit_bias=logit_bias, **logprob_fields,
+            **{name: value for name, value in given.items() if value is not None})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
-    return params
 
 
 def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

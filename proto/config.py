@@ -34,7 +34,7 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0 = derive from kv_cache_memory_bytes
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings (the supervisor resolves 0)
     max_num_waiting: int = 1024
     max_waiting_tokens: int = 1 << 20  # prompt tokens the waiting queue may hold (the scheduler enforces it)
     max_request_body_bytes: int = 16 << 20  # HTTP request bodies beyond this get 413
@@ -45,7 +45,7 @@ class EngineConfig:
     null_model: bool = False
     tensor_parallel_size: int = 1
     num_threads: int = 0  # torch threads per worker; 0 = cores / tensor_parallel_size
-    vocab_size: int = 0
+    vocab_size: int = 0  # 0 = the model's (the supervisor resolves 0)
     eos_token_ids: tuple[int, ...] = ()
     runtime_dir: str = ""
     host: str = "127.0.0.1"
@@ -161,3 +161,10 @@ class EngineConfig:
         raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
         raw["devices"] = tuple(raw.get("devices", ()))
         return cls(**raw)
+
+
+def prompt_fits(num_prompt_tokens: int, max_model_len: int) -> bool:
+    """Whether a prompt leaves room for at least one generated token: prompt and output share the
+    context, so a prompt of L tokens fits only if L < max_model_len (vLLM's rule too). The frontend
+    and the scheduler both ask this; they never disagree about a prompt."""
+    return num_prompt_tokens < max_model_len

@@ -1,7 +1,8 @@
-"""Per-request sampling and stopping parameters, validated once at the frontend boundary."""
+"""Per-request sampling and stopping parameters: their defaults, ranges and validation (on construction)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 from proto.errors import ValidationError
@@ -11,6 +12,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
+# Closed ranges the fields must lie in; the HTTP schema states these same ones to clients.
+RANGES = {"temperature": (0.0, 100.0), "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+          "frequency_penalty": (-2.0, 2.0), "logit_bias": (-100.0, 100.0), "seed": (-(2**63), 2**63 - 1)}
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty is in (0, this]
 
 
 @dataclass(frozen=True)
@@ -21,7 +26,7 @@ class SamplingParams:
     derived from (seed, position, token id), so a row never depends on its batch-mates.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # OpenAI's documented default for /v1/completions
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = disabled
@@ -46,29 +51,32 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValidationError naming the field, the limit and the value."""
+    def validate(self) -> None:
+        """Raise ValidationError naming the field, the limit and the value. Construction runs it,
+        so the frontend's SamplingParams and every decoded one are checked exactly once; what
+        needs the vocabulary is `check_vocab`'s."""
         _check_type("max_tokens", self.max_tokens, int)
         _check_range("max_tokens", self.max_tokens, 1, None)
         _check_type("temperature", self.temperature, float)
-        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("temperature", self.temperature, *RANGES["temperature"])
         _check_type("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
             raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        check_top_k(self.top_k, vocab_size)
+        check_top_k(self.top_k, None)
         _check_type("min_p", self.min_p, float)
-        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("min_p", self.min_p, *RANGES["min_p"])
         _check_type("repetition_penalty", self.repetition_penalty, float)
-        if not 0.0 < self.repetition_penalty <= 10.0:
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValidationError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty}",
                 "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_type(name, getattr(self, name), float)
-            _check_range(name, getattr(self, name), -2.0, 2.0)
+            _check_range(name, getattr(self, name), *RANGES[name])
         if self.seed is not None:
             _check_type("seed", self.seed, int)
-            _check_range("seed", self.seed, -(2**63), 2**63 - 1)
+            _check_range("seed", self.seed, *RANGES["seed"])
         _check_type("min_tokens", self.min_tokens, int)
         _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
         if not isinstance(self.ignore_eos, bool):
@@ -78,7 +86,7 @@ class SamplingParams:
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}",
                 "stop_token_ids")
         for token_id in self.stop_token_ids:
-            _check_token_id("stop_token_ids", token_id, vocab_size)
+            _check_token_id("stop_token_ids", token_id, None)
         _check_type("n", self.n, int)
         _check_range("n", self.n, 1, MAX_N)
         for name in ("logprobs", "prompt_logprobs"):
@@ -89,9 +97,14 @@ class SamplingParams:
                 f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}",
                 "logit_bias")
         for token_id, bias in self.logit_bias:
-            _check_token_id("logit_bias", token_id, vocab_size)
+            _check_token_id("logit_bias", token_id, None)
             _check_type("logit_bias", bias, float)
-            _check_range("logit_bias", bias, -100.0, 100.0)
+            _check_range("logit_bias", bias, *RANGES["logit_bias"])
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValidationError when top_k or a token id is beyond a vocabulary of vocab_size."""
+        check_vocab_bounds(vocab_size, self.top_k, self.stop_token_ids,
+                           [token_id for token_id, _ in self.logit_bias])
 
     def to_wire(self) -> list:
         """Field values in declaration order (tuples become lists for msgpack)."""
@@ -116,6 +129,17 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty"):
             kwargs[name] = _int_as_float(kwargs[name])
         return cls(**kwargs)
+
+
+def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[object],
+                       logit_bias_token_ids: Iterable[object]) -> None:
+    """The checks that need the model's vocabulary (a decoder does not know it): top_k at most
+    the vocabulary, every token id inside it."""
+    check_top_k(top_k, vocab_size)
+    for token_id in stop_token_ids:
+        _check_token_id("stop_token_ids", token_id, vocab_size)
+    for token_id in logit_bias_token_ids:
+        _check_token_id("logit_bias", token_id, vocab_size)
 
 
 def _int_as_float(value: object) -> object:
@@ -160,3 +184,8 @@ def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None
     if vocab_size is not None and token_id >= vocab_size:
         raise ValidationError(
             f"{name} token id {token_id} is out of range for a vocabulary of {vocab_size}", name)
+
+
+# Every sampling default lives in SamplingParams; the HTTP models and the frontend's request
+# mapping read them here instead of writing them again.
+DEFAULTS = SamplingParams()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proto.config import EngineConfig
+from proto.config import EngineConfig, prompt_fits
 from proto.errors import ValidationError
 from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL, AddRequest
 from scheduler_proc.block_manager import blocks_for_tokens
@@ -34,15 +34,17 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
 def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int) -> str:
     prompt = message.prompt_token_ids
     num_prompt = len(prompt)
-    if config.max_model_len and num_prompt > config.max_model_len:
-        return (f"the prompt has {num_prompt} tokens but max_model_len is {config.max_model_len}")
+    if config.max_model_len and not prompt_fits(num_prompt, config.max_model_len):
+        return (f"the prompt has {num_prompt} tokens but max_model_len is {config.max_model_len}: "
+                f"no room for a generated token")
     if config.vocab_size and int(prompt.max()) >= config.vocab_size:
         return (f"prompt token id {int(prompt.max())} is out of range for a vocabulary of "
                 f"{config.vocab_size}")
-    try:
-        message.sampling_params.validate(config.vocab_size or None)
-    except ValidationError as exc:
-        return exc.message
+    if config.vocab_size:  # the decoder validated the rest; it cannot know the vocabulary
+        try:
+            message.sampling_params.check_vocab(config.vocab_size)
+        except ValidationError as exc:
+            return exc.message
     return _kv_capacity_error(num_prompt, message.sampling_params.max_tokens, config, num_kv_blocks)
 
 

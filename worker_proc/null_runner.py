@@ -31,10 +31,10 @@ class NullModelRunner:
         self.config = config
         self.rank = rank
         raw = _read_model_config(config.model)
-        self.vocab_size = config.vocab_size or int(raw.get("vocab_size", 0))
+        self.vocab_size = config.vocab_size  # the supervisor resolved it from the model
         if self.vocab_size < 2:
-            raise ValueError(f"null_model needs vocab_size >= 2 (config or {config.model!r}/config.json), "
-                             f"got {self.vocab_size}")
+            raise ValueError(f"null_model needs vocab_size >= 2 (the supervisor fills it in from "
+                             f"{config.model!r}/config.json), got {self.vocab_size}")
         self.eos_token_ids = np.array(sorted(set(config.eos_token_ids)), dtype=np.int64)
         self.num_kv_blocks = config.num_kv_blocks or _derived_num_blocks(config, raw)
         log.info("rank %d null model: vocab %d, %d KV blocks (none allocated)", rank,

@@ -80,16 +80,12 @@ class ModelRunner:
         scratch = 0
         if self.attention.gathers_context:
             scratch = gather_scratch_bytes(self.config, self.model.config, torch_dtype(self.config.dtype),
-                                           self.max_model_len)
+                                           self.config.max_model_len)
         budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens, scratch)
         log.info("rank %d: a %d-token step peaks at %.2f GiB, attention scratch %.2f GiB; %.2f GiB "
                  "left for the KV cache", self.rank, num_tokens, memory.peak_allocated_bytes / (1 << 30),
                  scratch / (1 << 30), budget / (1 << 30))
         return budget
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len or self.model.config.max_position_embeddings
 
     @torch.inference_mode()
     def profile_step(self) -> int:
@@ -100,8 +96,8 @@ class ModelRunner:
         Every rank runs it at start-up (the collectives need all of them)."""
         config = self.config
         num_tokens = config.max_num_batched_tokens
-        full, rest = divmod(num_tokens, self.max_model_len)
-        contexts = np.array([self.max_model_len] * full + ([rest] if rest else []))
+        full, rest = divmod(num_tokens, config.max_model_len)  # the supervisor resolved it (>= 1)
+        contexts = np.array([config.max_model_len] * full + ([rest] if rest else []))
         max_blocks = -(-int(contexts.max()) // config.block_size)
         num_blocks = len(contexts) * max_blocks
         scratch = allocate_kv_cache(self.model.config, num_blocks, config.block_size,

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import config_from_args, main, parse_size
-from deploy.model_info import ModelError, read_model_info
+from deploy.launcher import Stack, StartupError
+from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
+from proto.config import EngineConfig
 from proto.errors import ValidationError
 
 
@@ -89,6 +91,25 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_m
 def test_a_max_model_len_beyond_the_context_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValidationError, match="exceeds the model's context length 512"):
         config_from_args(_serve_args(str(tiny_model_dir), "--max-model-len", "4096"))
+
+
+def test_unresolved_model_facts_become_the_model_s_and_given_ones_stay(tiny_model_dir: Path) -> None:
+    info = read_model_info(tiny_model_dir)
+    resolved = resolve_model_facts(EngineConfig(model=str(tiny_model_dir)), info)
+    assert (resolved.max_model_len, resolved.vocab_size) == (512, 512)
+    assert resolved.served_model_name == tiny_model_dir.name
+    given = resolve_model_facts(EngineConfig(model=str(tiny_model_dir), max_model_len=128, vocab_size=600),
+                                info)
+    assert (given.max_model_len, given.vocab_size) == (128, 600)
+    assert resolve_model_facts(resolved, info) == resolved
+    with pytest.raises(ValidationError, match="--max-model-len 513 exceeds the model's context length 512"):
+        resolve_model_facts(EngineConfig(max_model_len=513), info)
+
+
+def test_a_stack_resolves_model_facts_before_any_process_starts(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match="has no config.json"):
+        with Stack(EngineConfig(model=str(tmp_path))) as stack:
+            pytest.fail(f"started {stack.children} without the model's context length")
 
 
 def test_serve_exits_with_a_clear_error_for_a_missing_model(tmp_path: Path,

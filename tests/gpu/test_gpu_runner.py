@@ -11,6 +11,7 @@ from support import hf_greedy_texts, tiny_config
 from worker_plans import BlockPool, Seq, advance, make_plan, tiny_engine_config
 
 from deploy.devices import visible_gpus
+from deploy.model_info import read_model_info
 from deploy.launcher import Stack
 from worker_proc.runner import ModelRunner
 
@@ -68,8 +69,9 @@ def test_two_gpus_serve_the_greedy_text_of_hf_over_nccl(tiny_model_dir: Path, tm
 def test_cuda_kv_cache_takes_what_the_profile_step_leaves_of_the_utilization_share(
         tiny_model_dir: Path) -> None:
     blocks = {}
+    context = read_model_info(tiny_model_dir).max_position_embeddings  # as the supervisor resolves it
     for utilization in (0.2, 0.4):
-        runner = ModelRunner(tiny_engine_config(tiny_model_dir, num_kv_blocks=0,
+        runner = ModelRunner(tiny_engine_config(tiny_model_dir, num_kv_blocks=0, max_model_len=context,
                                                 gpu_memory_utilization=utilization),
                              rank=0, show_progress=False)
         blocks[utilization] = runner.num_kv_blocks

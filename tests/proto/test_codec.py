@@ -130,7 +130,7 @@ def test_sampling_params_name_the_offending_field(kwargs: dict, param: str) -> N
 
 def test_token_ids_are_checked_against_the_vocabulary() -> None:
     with pytest.raises(ValidationError, match="out of range for a vocabulary of 100"):
-        SamplingParams(logit_bias=((100, 1.0),)).validate(vocab_size=100)
+        SamplingParams(logit_bias=((100, 1.0),)).check_vocab(100)
 
 
 def test_engine_config_round_trips_through_json_and_rejects_bad_values() -> None:

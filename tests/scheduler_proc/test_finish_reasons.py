@@ -76,7 +76,7 @@ def test_max_tokens_finishes_with_reason_length() -> None:
 def test_max_model_len_finishes_with_reason_length() -> None:
     harness = Harness(max_model_len=10)
     harness.add("a", 7, max_tokens=50)
-    harness.add("full", 10, max_tokens=50)  # a prompt of exactly max_model_len still gets one token
+    harness.add("full", 9, max_tokens=50)  # the longest prompt that fits gets exactly one token
     harness.run()
     assert harness.log.finish_reasons == {"a": "length", "full": "length"}
     assert len(harness.log.tokens["a"]) == 3 and len(harness.log.tokens["full"]) == 1
@@ -118,6 +118,14 @@ def test_prompt_longer_than_max_model_len_is_rejected_with_the_limit_and_the_val
     harness.run()
     assert harness.log.finish_reasons["a"] == "error"
     assert "17" in harness.log.error_messages["a"] and "16" in harness.log.error_messages["a"]
+
+
+def test_prompt_of_exactly_max_model_len_is_rejected_as_the_frontend_rejects_it() -> None:
+    harness = Harness(max_model_len=16)
+    harness.add("a", 16, max_tokens=1)  # no room left for a generated token (proto.config.prompt_fits)
+    harness.run()
+    assert harness.log.finish_reasons["a"] == "error"
+    assert "16 tokens but max_model_len is 16" in harness.log.error_messages["a"]
 
 
 def test_request_that_can_never_fit_in_the_kv_cache_is_rejected_instead_of_waiting_forever() -> None:

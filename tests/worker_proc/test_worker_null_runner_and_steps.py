@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 
+from deploy.model_info import read_model_info, resolve_model_facts
 from proto.config import EngineConfig
 from worker_proc.loop import execute_step
 from worker_proc.null_runner import NullModelRunner
@@ -44,9 +45,10 @@ def test_null_runner_is_deterministic_and_ignores_batch_mates() -> None:
 def test_null_runner_reports_blocks_without_allocating_or_loading(tiny_model_dir: Path) -> None:
     given = create_runner(EngineConfig(null_model=True, vocab_size=10, num_kv_blocks=77), 0)
     assert given.num_kv_blocks == 77
-    derived = create_runner(EngineConfig(model=str(tiny_model_dir), null_model=True,
-                                         kv_cache_memory_bytes=1 << 20, dtype="float32"), 0)
-    assert derived.vocab_size == 512  # read from config.json: no weights touched
+    config = EngineConfig(model=str(tiny_model_dir), null_model=True, kv_cache_memory_bytes=1 << 20,
+                          dtype="float32")
+    derived = create_runner(resolve_model_facts(config, read_model_info(tiny_model_dir)), 0)
+    assert derived.vocab_size == 512  # the model's, as the supervisor resolved it: no weights touched
     assert derived.num_kv_blocks == (1 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
 
 
