@@ -48,7 +48,7 @@ class SamplingColumns:
 
     temperature: Float32Array  # 0 = greedy
     top_p: Float32Array
-    top_k: Int32Array  # <= 0 = off
+    top_k: Int32Array  # 0 = off (SamplingParams' -1 travels as 0)
     min_p: Float32Array
     repetition_penalty: Float32Array
     presence_penalty: Float32Array
@@ -70,7 +70,7 @@ class SamplingColumns:
     @staticmethod
     def param_row(params: SamplingParams) -> tuple[float, ...]:
         """One member's PARAM_COLUMNS values, in order (all exact in float64)."""
-        return tuple(getattr(params, name) for name in PARAM_COLUMNS)
+        return tuple(_CANONICAL.get(name, _same)(getattr(params, name)) for name in PARAM_COLUMNS)
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, seeds: np.ndarray, bias: LogitBias, history: PenaltyHistory,
@@ -91,6 +91,12 @@ class SamplingColumns:
                              PenaltyHistory.none(len(params)))
 
 
+def _same(value: float) -> float:
+    return value
+
+
+# A parameter with two spellings of one meaning travels as one of them.
+_CANONICAL = {"top_k": lambda top_k: max(top_k, 0)}
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 # The columns filled from the same-named SamplingParams field, in declaration order.
 PARAM_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(SamplingColumns) if f.name in _PARAM_NAMES)
