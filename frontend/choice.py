@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from frontend.detokenizer import OutputText
 from frontend.engine_outputs import EngineDelta, TokenLogprob
 from frontend.tokenizer import Tokenizer
+from proto.messages import FinishReason
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class ChoiceDelta:
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
-    finish_reason: str = ""
+    finish_reason: FinishReason = FinishReason.NONE
     error_message: str = ""
 
 
@@ -43,7 +44,7 @@ class ChoiceOutput:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob | None] = []  # aligned with token_ids
         self.num_cached_tokens = 0
-        self.finish_reason = ""
+        self.finish_reason = FinishReason.NONE
         self.error_message = ""
         self.error_code = ""  # the engine's name for the kind of an "error" finish, e.g. "queue_full"
         self.engine_finished = False
@@ -67,7 +68,7 @@ class ChoiceOutput:
             self.logprobs.extend(logprobs)
         self.num_tokens += len(delta.token_ids)
         if self.output.stopped:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
         elif delta.finish_reason:
             self.finish_reason = delta.finish_reason
             self.error_message = delta.error_message
@@ -77,7 +78,7 @@ class ChoiceOutput:
         return ChoiceDelta(self.index, text, tuple(delta.token_ids), logprobs, self.finish_reason,
                            self.error_message)
 
-    def end(self, finish_reason: str, error_message: str = "") -> ChoiceDelta:
+    def end(self, finish_reason: FinishReason, error_message: str = "") -> ChoiceDelta:
         """Finish now (abort before the engine heard of it, or the stream was cut)."""
         self.finish_reason = finish_reason
         self.error_message = error_message

@@ -12,10 +12,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
+from frontend.engine_outputs import EngineDelta, EngineListener, OutputRouter
 from proto import codec, sockets
 from proto.errors import ProtocolError
-from proto.messages import AbortRequest, AddRequest
+from proto.messages import AbortRequest, AddRequest, SchedulerStats, StepOutputs
 from proto.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class EngineClient(Protocol):
     def add_listener(self, listener: EngineListener) -> None: ...
 
     @property
-    def latest_stats(self) -> EngineStats | None: ...
+    def latest_stats(self) -> SchedulerStats | None: ...
 
 
 class ZmqEngineClient:
@@ -102,7 +102,7 @@ class ZmqEngineClient:
         self._receiver = self._requests = self._outputs = self._context = None
 
     @property
-    def latest_stats(self) -> EngineStats | None:
+    def latest_stats(self) -> SchedulerStats | None:
         return self._router.latest_stats
 
     @property
@@ -153,7 +153,7 @@ class ZmqEngineClient:
     def handle_frame(self, frame: bytes) -> None:
         """Decode and route one OUTPUTS frame; a bad frame is logged and counted, never fatal."""
         try:
-            message = codec.decode(frame, sockets.OUTPUT_MESSAGES)
+            message = codec.decode(frame, StepOutputs)
         except ProtocolError as exc:
             self.num_protocol_errors += 1
             logger.error("dropping a malformed scheduler frame (%d so far): %s",

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from proto.messages import ERROR_CODES, EVENT_QUEUED, StepOutputs
+from proto.messages import ERROR_CODES, EVENT_QUEUED, FinishReason, SchedulerStats, StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -34,34 +34,19 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class EngineDelta:
-    """One step's news for one choice. `finish_reason` is "" until the choice's single terminal
+    """One step's news for one choice. `finish_reason` is NONE until the choice's single terminal
     delta; `error_code` names the kind of an "error" finish that has one (proto ERROR_CODES, e.g.
     "queue_full"), else it is empty. A request's first delta is an empty one (no tokens, no
     finish) once the scheduler has queued it, unless its first news is a refusal."""
 
     token_ids: list[int]
-    finish_reason: str = ""
+    finish_reason: FinishReason = FinishReason.NONE
     error_message: str = ""
     choice_index: int = 0
     num_cached_tokens: int = 0  # prompt tokens this choice got from the prefix cache (as reported)
     logprobs: tuple[TokenLogprob, ...] = ()  # prompt and sampled-token entries, as they came
     received_s: float = field(default=0.0, compare=False)  # our monotonic clock at receipt
     error_code: str = ""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Scheduler state as of its last message (a step or an idle heartbeat)."""
-
-    step_id: int
-    num_running: int
-    num_waiting: int
-    num_waiting_tokens: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    step_duration_s: float
-    wall_time_s: float
-    workers_serving: bool = True  # False while the scheduler waits for a replaced worker group
 
 
 class EngineListener(Protocol):
@@ -92,7 +77,7 @@ class RequestRoute:
             self.finished.add(delta.choice_index)
         self.queue.put_nowait(delta)
 
-    def end_all(self, finish_reason: str, error_message: str = "") -> None:
+    def end_all(self, finish_reason: FinishReason, error_message: str = "") -> None:
         """A terminal delta for every choice still open (abort, engine failure)."""
         now_s = time.monotonic()
         for index in range(self.num_choices):
@@ -112,7 +97,7 @@ class OutputRouter:
     def __init__(self) -> None:
         self._routes: dict[str, RequestRoute] = {}
         self._listeners: list[EngineListener] = []
-        self.latest_stats: EngineStats | None = None
+        self.latest_stats: SchedulerStats | None = None  # of the last message (a step or a heartbeat)
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -137,14 +122,14 @@ class OutputRouter:
         route = self._routes.pop(request_id, None)
         if route is None:
             return False
-        route.end_all("abort")
+        route.end_all(FinishReason.ABORT)
         return True
 
     def fail_all(self, message: str) -> int:
         """End every open request with "error"; return how many there were."""
         routes, self._routes = self._routes, {}
         for route in routes.values():
-            route.end_all("error", message)
+            route.end_all(FinishReason.ERROR, message)
         return len(routes)
 
     def protocol_error(self) -> None:
@@ -153,10 +138,7 @@ class OutputRouter:
 
     def route(self, outputs: StepOutputs, received_s: float) -> None:
         """Queue each output for its (request, choice); outputs of ended requests are moot."""
-        self.latest_stats = EngineStats(
-            outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.num_waiting_tokens,
-            outputs.kv_cache_usage, outputs.num_preemptions_total, outputs.step_duration_s,
-            outputs.wall_time_s, outputs.workers_serving)
+        self.latest_stats = outputs.stats
         for request_id in _queued_request_ids(outputs):  # before this message's tokens
             route = self._routes.get(request_id)
             if route is not None:
@@ -188,20 +170,22 @@ class OutputRouter:
 
 def _queued_request_ids(outputs: StepOutputs) -> list[str]:
     """Requests this message reports as queued (their choice 0's QUEUED event)."""
-    if not len(outputs.event_kinds):
+    events = outputs.events
+    if not len(events):
         return []
-    queued = (outputs.event_kinds == EVENT_QUEUED) & (outputs.event_choice_indices == 0)  # bool [num_events]
-    return [outputs.event_request_ids[index] for index in np.flatnonzero(queued).tolist()]
+    queued = (events.kinds == EVENT_QUEUED) & (events.choice_indices == 0)  # bool [num_events]
+    return [events.request_ids[index] for index in np.flatnonzero(queued).tolist()]
 
 
 def _logprobs_by_row(outputs: StepOutputs) -> dict[int, tuple[TokenLogprob, ...]]:
-    if not len(outputs.lp_rows):
+    entries = outputs.logprobs
+    if not len(entries):
         return {}
     by_row: dict[int, list[TokenLogprob]] = {}
-    cu_top = outputs.lp_cu_top.tolist()
-    top_ids, top_logprobs = outputs.lp_top_token_ids.tolist(), outputs.lp_top_logprobs.tolist()
-    columns = zip(outputs.lp_rows.tolist(), outputs.lp_positions.tolist(),
-                  outputs.lp_token_ids.tolist(), outputs.lp_logprobs.tolist())
+    cu_top = entries.cu_top.tolist()
+    top_ids, top_logprobs = entries.top_token_ids.tolist(), entries.top_logprobs.tolist()
+    columns = zip(entries.rows.tolist(), entries.positions.tolist(),
+                  entries.token_ids.tolist(), entries.logprobs.tolist())
     for entry, (row, position, token_id, logprob) in enumerate(columns):
         start, end = cu_top[entry], cu_top[entry + 1]
         top = tuple(zip(top_ids[start:end], top_logprobs[start:end]))

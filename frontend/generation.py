@@ -22,8 +22,9 @@ from frontend.engine_outputs import EngineDelta, TokenLogprob
 from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
 from frontend.validation import GenerationJob
+from proto.messages import FinishReason
 
-FAILURE_REASONS = ("error", "abort")
+FAILURE_REASONS = (FinishReason.ERROR, FinishReason.ABORT)
 
 
 class Generation:
@@ -93,7 +94,7 @@ class Generation:
             return
         self._start_called = True
         if self._abort_requested:  # the client left before we asked the engine for anything
-            self._pending = [c.end("abort", self.error_message) for c in self.choices if not c.finish_reason]
+            self._pending = [c.end(FinishReason.ABORT, self.error_message) for c in self.choices if not c.finish_reason]
             return
         self._stream = self._engine.generate(self.request_id, self.job.prompt_token_ids,
                                              self.job.sampling_params)
@@ -143,7 +144,7 @@ class Generation:
             now_s = time.monotonic()
             for choice in self.choices:
                 if not choice.finish_reason:
-                    ended = choice.end("abort", self.error_message)
+                    ended = choice.end(FinishReason.ABORT, self.error_message)
                     if counted:
                         self._record(choice, ended, now_s)
         if counted:

@@ -40,8 +40,9 @@ class LifecycleTracker:
     def observe(self, outputs: StepOutputs) -> list[PhaseDurations]:
         """Record this message's events; return the durations of the choices that finished."""
         finished = []
-        events = zip(outputs.event_request_ids, outputs.event_choice_indices.tolist(),
-                     outputs.event_kinds.tolist(), outputs.event_times_s.tolist())
+        events = outputs.events
+        events = zip(events.request_ids, events.choice_indices.tolist(), events.kinds.tolist(),
+                     events.times_s.tolist())
         for request_id, choice, kind, time_s in events:
             request = self._requests.setdefault(request_id, _RequestEvents())
             times = request.choices.setdefault(choice, {})

@@ -17,7 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from frontend.lifecycle import LifecycleTracker
-from proto.messages import FINISH_REASONS, StepOutputs
+from proto.messages import FinishReason, StepOutputs
 
 PREFIX = "conveyor:"
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -32,7 +32,7 @@ STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
 REJECTION_REASONS = ("max_num_waiting", "max_waiting_tokens", "max_request_body_bytes", "draining",
                      "engine_unavailable")
 OCCUPANCY_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-# Scheduler running totals -> our counter names.
+# Scheduler running totals (SchedulerStats fields) -> our counter names.
 _SCHEDULER_TOTALS = {
     "num_preemptions_total": "num_preemptions",
     "prefix_cache_queries_total": "prefix_cache_queries",
@@ -99,7 +99,7 @@ class FrontendMetrics:
                                           "group was replaced.")
         self.request_success = Counter(PREFIX + "request_success_total", "Finished choices by reason.",
                                        ("model_name", "finished_reason"), registry=self.registry)
-        for reason in filter(None, FINISH_REASONS):  # every series exists from the start
+        for reason in filter(None, FinishReason):  # every series exists from the start
             self.request_success.labels(model_name, reason)
         self.request_rejected = Counter(PREFIX + "request_rejected_total",
                                         "Requests refused before they ran (429, 413, 503), by reason.",
@@ -140,7 +140,7 @@ class FrontendMetrics:
         self.generation_tokens.inc(num_tokens)
         (self.time_to_first_token if first else self.inter_token_latency).observe(latency_s)
 
-    def record_choice_finished(self, finish_reason: str, e2e_s: float, num_tokens: int) -> None:
+    def record_choice_finished(self, finish_reason: FinishReason, e2e_s: float, num_tokens: int) -> None:
         self.request_success.labels(self._model_name, finish_reason).inc()
         self.e2e_request_latency.observe(e2e_s)
         self.request_generation_tokens.observe(num_tokens)
@@ -155,11 +155,12 @@ class FrontendMetrics:
     # -- EngineListener: the scheduler's messages ---------------------------------------------
 
     def on_step_outputs(self, outputs: StepOutputs) -> None:
-        self.num_requests_running.set(outputs.num_running)
-        self.num_requests_waiting.set(outputs.num_waiting)
-        self.kv_cache_usage_perc.set(outputs.kv_cache_usage)
+        stats = outputs.stats
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         for field_name, attribute in _SCHEDULER_TOTALS.items():
-            total = getattr(outputs, field_name)
+            total = getattr(stats, field_name)
             # A lower total is a message that does not carry it: never count backwards.
             if total > self._seen_totals[field_name]:
                 getattr(self, attribute).inc(total - self._seen_totals[field_name])
@@ -167,7 +168,7 @@ class FrontendMetrics:
         if outputs.step_id >= 0:  # heartbeats are no steps
             self.iteration_tokens.observe(outputs.num_scheduled_tokens)
             self.step_duration.observe(outputs.step_duration_s)
-            self.batch_occupancy.observe(outputs.num_running / self._max_num_seqs)
+            self.batch_occupancy.observe(stats.num_running / self._max_num_seqs)
         for phases in self._lifecycle.observe(outputs):
             for histogram, seconds in ((self.request_queue_time, phases.queue_s),
                                        (self.request_prefill_time, phases.prefill_s),

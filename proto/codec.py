@@ -1,48 +1,57 @@
 """MessagePack codec for proto messages: a tag plus field values; arrays as raw little-endian bytes.
 
-`decode` validates the tag, every field's type, array byte lengths and cross-field shapes, and
-raises ProtocolError for anything else. No pickle anywhere.
+Every field is handled by its type annotation, nested frozen dataclasses included (as a list of
+their fields): array aliases (proto.arrays) by their dtype, enums by value, lists, tuples,
+optionals and scalars. `decode` validates the tag, every field's type, array byte lengths and
+cross-field shapes (proto.checks), and raises ProtocolError for anything else. No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import types
 import typing
+from collections.abc import Callable
+from typing import TypeVar, overload
 
 import msgpack
 import numpy as np
 
-from proto import messages
+from proto import checks, messages
+from proto.arrays import array_dtype
 from proto.errors import ProtocolError, ValidationError
-from proto.sampling import SamplingParams
+
+Message = TypeVar("Message")
+_Decoder = Callable[[object, str], object]
 
 _TAG_OF = {cls: tag for tag, cls in enumerate(messages.MESSAGE_TYPES)}
 _CLASS_OF = dict(enumerate(messages.MESSAGE_TYPES))
-_FIELDS = {cls: dataclasses.fields(cls) for cls in messages.MESSAGE_TYPES}
-_HINTS = {cls: typing.get_type_hints(cls) for cls in messages.MESSAGE_TYPES}
-_SCALAR_KINDS = {int: (int,), float: (float, int), str: (str,), bool: (bool,)}
+_SCALARS = {int: (int,), float: (float, int), str: (str,), bool: (bool,)}
+_ENCODERS: dict[type, list[tuple[str, Callable[[object], object] | None]]] = {}
+_DECODERS: dict[type, list[tuple[str, _Decoder]]] = {}
 
 
 def encode(message: object) -> bytes:
     cls = type(message)
     if cls not in _TAG_OF:
         raise TypeError(f"not a proto message: {cls.__name__}")
-    values: list = [_TAG_OF[cls]]
-    for f in _FIELDS[cls]:
-        value = getattr(message, f.name)
-        if isinstance(value, np.ndarray):
-            dtype = np.dtype(cls.ARRAY_DTYPES[f.name]).newbyteorder("<")
-            value = np.ascontiguousarray(value, dtype=dtype).tobytes()
-        elif isinstance(value, SamplingParams):
-            value = value.to_wire()
-        values.append(value)
-    return msgpack.packb(values, use_bin_type=True)
+    return msgpack.packb([_TAG_OF[cls], *_encode_fields(message)], use_bin_type=True)
 
 
-def decode(frame: bytes, expected: tuple[type, ...] = messages.MESSAGE_TYPES) -> object:
-    """The message in `frame`, which must be one of `expected` (the reading channel's types).
-    Anything else raises ProtocolError, and only that. msgpack bounds every length prefix by the
-    frame's size, so a forged one allocates nothing."""
+@overload
+def decode(frame: bytes, expected: type[Message]) -> Message: ...
+
+
+@overload
+def decode(frame: bytes, expected: tuple[type, ...]) -> object: ...
+
+
+def decode(frame: bytes, expected: type | tuple[type, ...]) -> object:
+    """The message in `frame`, which must be `expected` (or one of them: the reading channel's
+    types). Anything else raises ProtocolError, and only that. msgpack bounds every length prefix
+    by the frame's size, so a forged one allocates nothing."""
+    expected = expected if isinstance(expected, tuple) else (expected,)
     try:
         values = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
@@ -56,131 +65,135 @@ def decode(frame: bytes, expected: tuple[type, ...] = messages.MESSAGE_TYPES) ->
     if cls not in expected:
         raise ProtocolError(f"{cls.__name__} does not belong on this channel "
                             f"(expected {' or '.join(c.__name__ for c in expected)})")
-    fields = _FIELDS[cls]
-    if len(values) - 1 != len(fields):
-        raise ProtocolError(f"{cls.__name__} needs {len(fields)} fields, got {len(values) - 1}")
-    kwargs = {f.name: _decode_field(cls, f.name, v) for f, v in zip(fields, values[1:])}
-    message = cls(**kwargs)
-    _check_shapes(message)
-    return message
+    return _build(cls, values[1:], cls.__name__)
 
 
-def _decode_field(cls: type, name: str, value: object) -> object:
-    hint = _HINTS[cls][name]
-    where = f"{cls.__name__}.{name}"
-    if hint is np.ndarray:
+def _encode_fields(value: object) -> list:
+    cls = type(value)
+    encoders = _ENCODERS.get(cls) or _compile_encoders(cls)
+    return [getattr(value, name) if encoder is None else encoder(getattr(value, name))
+            for name, encoder in encoders]
+
+
+def _compile_encoders(cls: type) -> list[tuple[str, Callable[[object], object] | None]]:
+    """Per field: None (msgpack packs it as is: scalars, str/int enums, lists, tuples) or a
+    converter (arrays to bytes, nested dataclasses to field lists)."""
+    encoders: list[tuple[str, Callable[[object], object] | None]] = []
+    for name, hint in _hints(cls).items():
+        dtype = array_dtype(hint)
+        if dtype is not None:
+            wire = dtype.newbyteorder("<")
+            encoders.append((name, lambda v, wire=wire: np.ascontiguousarray(v, dtype=wire).tobytes()))
+        elif dataclasses.is_dataclass(hint):
+            encoders.append((name, _encode_fields))
+        else:
+            encoders.append((name, None))
+    _ENCODERS[cls] = encoders
+    return encoders
+
+
+def _build(cls: type, values: object, where: str) -> object:
+    """A dataclass from its field list: every field decoded, then constructed and checked."""
+    decoders = _DECODERS.get(cls) or _compile_decoders(cls)
+    if not isinstance(values, list) or len(values) != len(decoders):
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        raise ProtocolError(f"{where} needs {len(decoders)} fields, got {got}")
+    kwargs = {name: decoder(value, f"{where}.{name}") for (name, decoder), value in zip(decoders, values)}
+    try:
+        built = cls(**kwargs)
+    except (ValidationError, TypeError, ValueError) as exc:  # a nested type's own validation
+        raise ProtocolError(f"{where}: {exc}") from exc
+    checks.check(built)
+    return built
+
+
+def _compile_decoders(cls: type) -> list[tuple[str, _Decoder]]:
+    decoders = [(name, _decoder_of(hint)) for name, hint in _hints(cls).items()]
+    _DECODERS[cls] = decoders
+    return decoders
+
+
+def _hints(cls: type) -> dict[str, object]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _decoder_of(hint: object) -> _Decoder:
+    dtype = array_dtype(hint)
+    if dtype is not None:
+        return _array_decoder(dtype)
+    if dataclasses.is_dataclass(hint):
+        return lambda value, where: _build(hint, value, where)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _enum_decoder(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list and args[0] is str:
+        return _decode_str_list
+    if origin is list:
+        return _sequence_decoder(_decoder_of(args[0]), list)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _sequence_decoder(_decoder_of(args[0]), tuple)
+    if origin is tuple:
+        return _fixed_tuple_decoder([_decoder_of(arg) for arg in args])
+    if origin is types.UnionType and type(None) in args:
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        decode_inner = _decoder_of(inner)
+        return lambda value, where: None if value is None else decode_inner(value, where)
+    if hint in _SCALARS:
+        return _scalar_decoder(hint)
+    raise TypeError(f"the codec cannot carry fields of type {hint!r}")
+
+
+def _array_decoder(dtype: np.dtype) -> _Decoder:
+    wire, native = dtype.newbyteorder("<"), dtype.newbyteorder("=")
+
+    def decode_array(value: object, where: str) -> np.ndarray:
         if not isinstance(value, bytes):
             raise ProtocolError(f"{where} must be bytes, got {type(value).__name__}")
-        dtype = np.dtype(cls.ARRAY_DTYPES[name]).newbyteorder("<")
-        if len(value) % dtype.itemsize:
-            raise ProtocolError(f"{where} has {len(value)} bytes, not a multiple of {dtype.itemsize}")
-        return np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
-    if hint is SamplingParams:
-        try:
-            return SamplingParams.from_wire(value)
-        except (ValidationError, TypeError) as exc:
-            raise ProtocolError(f"{where}: {exc}") from exc
-    if hint == list[str]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ProtocolError(f"{where} must be a list of strings")
-        return value
-    kinds = _SCALAR_KINDS[hint]
-    if not isinstance(value, kinds) or (hint is not bool and isinstance(value, bool)):
-        raise ProtocolError(f"{where} must be {hint.__name__}, got {type(value).__name__}")
-    return float(value) if hint is float else value
+        if len(value) % wire.itemsize:
+            raise ProtocolError(f"{where} has {len(value)} bytes, not a multiple of {wire.itemsize}")
+        return np.frombuffer(value, dtype=wire).astype(native, copy=False)
+    return decode_array
 
 
-def _check_shapes(message: object) -> None:
-    if isinstance(message, messages.StepPlan):
-        _check_plan(message)
-    elif isinstance(message, messages.StepOutputs):
-        _check_outputs(message)
-    elif isinstance(message, messages.StepResult):
-        _need(message.rank >= 0, f"StepResult.rank must be >= 0, got {message.rank}")
-        _check_logprobs("StepResult", message, None)
-    elif isinstance(message, messages.AddRequest):
-        _need(len(message.prompt_token_ids) > 0, "AddRequest.prompt_token_ids is empty")
-        _need(bool((message.prompt_token_ids >= 0).all()), "AddRequest has negative token ids")
-    elif isinstance(message, messages.AbortRequest):
-        _check_abort(message)
+def _enum_decoder(kind: type[enum.Enum]) -> _Decoder:
+    by_value = {member.value: member for member in kind}
+    value_type = str if issubclass(kind, str) else int
+
+    def decode_enum(value: object, where: str) -> enum.Enum:
+        if type(value) is not value_type or value not in by_value:
+            raise ProtocolError(f"{where}: {value!r:.40} is not a {kind.__name__}")
+        return by_value[value]
+    return decode_enum
 
 
-def _check_abort(message: messages.AbortRequest) -> None:
-    n, choices = len(message.request_ids), message.choice_indices
-    _need(len(choices) in (0, n), f"AbortRequest.choice_indices needs 0 or {n} entries, got {len(choices)}")
-    lowest = int(choices.min()) if len(choices) else 0
-    _need(lowest >= messages.ALL_CHOICES,
-          f"AbortRequest.choice_indices must be >= {messages.ALL_CHOICES} (all choices), got {lowest}")
+def _decode_str_list(value: object, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(type(item) is str for item in value):
+        raise ProtocolError(f"{where} must be a list of strings")
+    return value
 
 
-def _check_outputs(message: messages.StepOutputs) -> None:
-    n = message.num_outputs
-    _need(len(message.finish_reasons) == n and len(message.error_messages) == n,
-          "StepOutputs lists must all have one entry per request")
-    _check_offsets("StepOutputs.cu_new_tokens", message.cu_new_tokens, n, len(message.new_token_ids))
-    bad = set(message.finish_reasons) - set(messages.FINISH_REASONS)
-    _need(not bad, f"StepOutputs has unknown finish reasons {sorted(bad)}")
-    for name in ("choice_indices", "num_cached_tokens", "error_codes"):
-        _need(len(getattr(message, name)) in (0, n), f"StepOutputs.{name} needs 0 or {n} entries")
-    _check_error_codes(message)
-    num_events = len(message.event_request_ids)
-    _need(len(message.event_choice_indices) == num_events and len(message.event_kinds) == num_events
-          and len(message.event_times_s) == num_events, "StepOutputs event arrays differ in length")
-    _need(num_events == 0 or int(message.event_kinds.max()) < len(messages.EVENT_KINDS),
-          "StepOutputs has an unknown event kind")
-    _check_logprobs("StepOutputs", message, n)
+def _sequence_decoder(decode_item: _Decoder, kind: type) -> _Decoder:
+    def decode_sequence(value: object, where: str) -> object:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be an array, got {type(value).__name__}")
+        return kind([decode_item(item, where) for item in value])
+    return decode_sequence
 
 
-def _check_error_codes(message: messages.StepOutputs) -> None:
-    codes = message.error_codes
-    if not len(codes):
-        return
-    _need(int(codes.max()) < len(messages.ERROR_CODES),
-          f"StepOutputs has an unknown error code {int(codes.max())}")
-    coded = np.flatnonzero(codes).tolist()
-    _need(all(message.finish_reasons[row] == "error" for row in coded),
-          "StepOutputs has an error code on a row that did not finish with \"error\"")
+def _fixed_tuple_decoder(decode_items: list[_Decoder]) -> _Decoder:
+    def decode_tuple(value: object, where: str) -> tuple:
+        if not isinstance(value, list) or len(value) != len(decode_items):
+            raise ProtocolError(f"{where} must be an array of {len(decode_items)}, got {value!r:.40}")
+        return tuple(decode(item, where) for decode, item in zip(decode_items, value))
+    return decode_tuple
 
 
-def _check_logprobs(where: str, message: object, num_rows: int | None) -> None:
-    num_entries = len(message.lp_rows)
-    for name in ("lp_positions", "lp_token_ids", "lp_logprobs"):
-        _need(len(getattr(message, name)) == num_entries, f"{where}.{name} needs {num_entries} entries")
-    _check_offsets(f"{where}.lp_cu_top", message.lp_cu_top, num_entries, len(message.lp_top_token_ids))
-    _need(len(message.lp_top_logprobs) == len(message.lp_top_token_ids),
-          f"{where} top logprob arrays differ in length")
-    if num_rows is not None and num_entries:
-        _need(0 <= int(message.lp_rows.min()) and int(message.lp_rows.max()) < num_rows,
-              f"{where}.lp_rows out of range")
+def _scalar_decoder(kind: type) -> _Decoder:
+    accepted = _SCALARS[kind]
 
-
-def _check_plan(plan: messages.StepPlan) -> None:
-    n = plan.num_seqs
-    for name in ("num_computed_tokens", "num_scheduled_tokens", "sample_mask", "temperature",
-                 "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seeds", "history_num_prompt"):
-        _need(len(getattr(plan, name)) == n, f"StepPlan.{name} needs {n} entries")
-    for name in ("num_logprobs", "num_prompt_logprobs", "next_prompt_token_ids"):
-        _need(len(getattr(plan, name)) in (0, n), f"StepPlan.{name} needs 0 or {n} entries")
-    _need(bool((plan.num_scheduled_tokens >= 1).all()), "StepPlan schedules a member with no tokens")
-    _need(bool((plan.num_computed_tokens >= 0).all()), "StepPlan has negative num_computed_tokens")
-    _need(int(plan.num_scheduled_tokens.sum()) == len(plan.input_ids),
-          "StepPlan.input_ids length differs from the sum of num_scheduled_tokens")
-    _check_offsets("StepPlan.cu_block_ids", plan.cu_block_ids, n, len(plan.block_ids))
-    _check_offsets("StepPlan.cu_history", plan.cu_history, n, len(plan.history_token_ids))
-    nb = len(plan.bias_rows)
-    _need(len(plan.bias_token_ids) == nb and len(plan.bias_values) == nb,
-          "StepPlan bias arrays differ in length")
-    _need(nb == 0 or (0 <= int(plan.bias_rows.min()) and int(plan.bias_rows.max()) < n),
-          "StepPlan.bias_rows out of range")
-
-
-def _check_offsets(where: str, offsets: np.ndarray, n: int, total: int) -> None:
-    _need(len(offsets) == n + 1, f"{where} needs {n + 1} entries, got {len(offsets)}")
-    _need(int(offsets[0]) == 0 and int(offsets[-1]) == total, f"{where} must run from 0 to {total}")
-    _need(bool((np.diff(offsets) >= 0).all()), f"{where} must be non-decreasing")
-
-
-def _need(condition: bool, message: str) -> None:
-    if not condition:
-        raise ProtocolError(message)
+    def decode_scalar(value: object, where: str) -> object:
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+            raise ProtocolError(f"{where} must be {kind.__name__}, got {type(value).__name__}")
+        return float(value) if kind is float else value
+    return decode_scalar

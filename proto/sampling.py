@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from proto.errors import ValidationError
 
@@ -106,30 +106,6 @@ class SamplingParams:
         check_vocab_bounds(vocab_size, self.top_k, self.stop_token_ids,
                            [token_id for token_id, _ in self.logit_bias])
 
-    def to_wire(self) -> list:
-        """Field values in declaration order (tuples become lists for msgpack)."""
-        return [_to_wire_value(getattr(self, f.name)) for f in fields(self)]
-
-    @classmethod
-    def from_wire(cls, values: list) -> "SamplingParams":
-        names = [f.name for f in fields(cls)]
-        if not isinstance(values, list) or len(values) != len(names):
-            raise ValidationError(f"sampling params need {len(names)} fields, got {values!r:.80}")
-        kwargs = dict(zip(names, values))
-        stop_token_ids, logit_bias = kwargs["stop_token_ids"], kwargs["logit_bias"]
-        if not isinstance(stop_token_ids, list):
-            raise ValidationError(f"stop_token_ids must be a list, got {stop_token_ids!r:.40}", "stop_token_ids")
-        if not isinstance(logit_bias, list) or not all(isinstance(e, list) and len(e) == 2 for e in logit_bias):
-            raise ValidationError(f"logit_bias must be a list of [token id, bias] pairs, got {logit_bias!r:.40}",
-                                  "logit_bias")
-        kwargs["stop_token_ids"] = tuple(stop_token_ids)
-        # Type checks are validate()'s: nothing is coerced here but ints where floats belong.
-        kwargs["logit_bias"] = tuple((token_id, _int_as_float(bias)) for token_id, bias in logit_bias)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
-            kwargs[name] = _int_as_float(kwargs[name])
-        return cls(**kwargs)
-
 
 def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[object],
                        logit_bias_token_ids: Iterable[object]) -> None:
@@ -140,16 +116,6 @@ def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[
         _check_token_id("stop_token_ids", token_id, vocab_size)
     for token_id in logit_bias_token_ids:
         _check_token_id("logit_bias", token_id, vocab_size)
-
-
-def _int_as_float(value: object) -> object:
-    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-def _to_wire_value(value: object) -> object:
-    if isinstance(value, tuple):
-        return [_to_wire_value(v) for v in value]
-    return value
 
 
 def _check_type(name: str, value: object, kind: type) -> None:

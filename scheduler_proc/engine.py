@@ -12,12 +12,13 @@ import numpy as np
 
 from proto.config import EngineConfig
 from proto.messages import (ALL_CHOICES, ERROR_NONE, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
-                            EVENT_SCHEDULED, AddRequest, StepOutputs, StepPlan, StepResult)
+                            EVENT_SCHEDULED, AddRequest, FinishReason, SchedulerStats, StepOutputs,
+                            StepPlan, StepResult)
 from scheduler_proc.admission import rejection_reason
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.choices import make_choices
 from scheduler_proc.logprobs import entries_error, forward_entries
-from scheduler_proc.outputs import HEARTBEAT_STEP_ID, OutputBuffer, OutputOwner, SchedulerStats
+from scheduler_proc.outputs import HEARTBEAT_STEP_ID, OutputBuffer, OutputOwner
 from scheduler_proc.plan_builder import build_plan
 from scheduler_proc.plan_constants import PlanConstants
 from scheduler_proc.policy import make_policy
@@ -96,7 +97,7 @@ class SchedulerEngine:
             reason, error_code = f"request id {request_id!r} is already in use", ERROR_NONE
         if reason:
             for choice_index in range(params.n):
-                self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, "error", reason, now,
+                self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, FinishReason.ERROR, reason, now,
                                   finished_event=not duplicate, error_code=error_code)
             return
         # A drawn seed is kept for the request's life, so recompute after preemption resamples
@@ -120,7 +121,7 @@ class SchedulerEngine:
         for request_id, choice_index in zip(request_ids, choice_indices):
             for request in list(self._requests.get(request_id, ())):
                 if choice_index in (ALL_CHOICES, request.choice_index):
-                    self._finish(request, "abort", now=now)
+                    self._finish(request, FinishReason.ABORT, now=now)
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to compute."""
@@ -154,7 +155,7 @@ class SchedulerEngine:
             message = f"the worker failed step {step.step_id}: {error}"
             for request in step.batch.requests:
                 if not request.is_finished:
-                    self._finish(request, "error", message, now=now)
+                    self._finish(request, FinishReason.ERROR, message, now=now)
         else:
             self._advance(step.batch, result, now)
         return self._outputs.build(step.step_id, self.stats(), time.perf_counter() - step.started_s,
@@ -166,7 +167,7 @@ class SchedulerEngine:
         self._in_flight = None
         now = time.time()
         for request in list(self.queues.running):
-            self._finish(request, "error", error_message, now=now)
+            self._finish(request, FinishReason.ERROR, error_message, now=now)
         return self._outputs.build(step_id, self.stats(), 0.0)
 
     def recover_lost_step(self) -> StepOutputs:
@@ -189,7 +190,7 @@ class SchedulerEngine:
         self._in_flight = None
         now = time.time()
         for request in [choice for choices in self._requests.values() for choice in choices]:
-            self._finish(request, "error", error_message, now=now)
+            self._finish(request, FinishReason.ERROR, error_message, now=now)
         return self._outputs.build(HEARTBEAT_STEP_ID, self.stats(), 0.0)
 
     def drain_outputs(self) -> StepOutputs | None:
@@ -236,7 +237,7 @@ class SchedulerEngine:
         outputs, block_manager = self._outputs, self.block_manager
         caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
         # int32 [num_seqs]: each member's output row, to re-index logprob entries (only if any)
-        member_rows = np.full(len(batch), -1, dtype=np.int32) if len(result.lp_rows) else None
+        member_rows = np.full(len(batch), -1, dtype=np.int32) if len(result.logprobs) else None
         finished, add_token = RequestStatus.FINISHED, outputs.add_token
         members = zip(batch.requests, batch.num_scheduled_tokens, batch.sample)
         for row, (request, num_scheduled, sample) in enumerate(members):
@@ -279,7 +280,7 @@ class SchedulerEngine:
             return f"it sampled token ids outside [0, {vocab_size}): {token_ids.min()}..{token_ids.max()}"
         return entries_error(result, len(step.batch))
 
-    def _finish(self, request: Request, reason: str, error_message: str = "", token_id: int = -1,
+    def _finish(self, request: Request, reason: FinishReason, error_message: str = "", token_id: int = -1,
                 now: float = 0.0) -> int:
         """Give the sequence its one terminal output and release its seat and blocks now; its
         held siblings (if it is choice 0 and still holds them) are queued. The output's row."""

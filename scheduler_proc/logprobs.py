@@ -18,7 +18,7 @@ from scheduler_proc.request import Request
 
 def entries_error(result: StepResult, num_seqs: int) -> str:
     """Why the result's entries cannot be forwarded ("" if they can)."""
-    rows = result.lp_rows
+    rows = result.logprobs.rows
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= num_seqs):
         return f"it returned logprob entries for members {rows.min()}..{rows.max()} of {num_seqs}"
     return ""
@@ -33,7 +33,7 @@ def forward_entries(result: StepResult, requests: Sequence[Request], member_rows
     from the worker; those at positions already forwarded are dropped, so each prompt position
     reaches the frontend once.
     """
-    entries = LogprobEntries.of_message(result)
+    entries = result.logprobs
     out_rows = member_rows[entries.rows]  # int32 [num_entries]
     keep = out_rows >= 0
     if prompt_logprob_rows:

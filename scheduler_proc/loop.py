@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import zmq
@@ -17,6 +18,8 @@ from proto.errors import ProtocolError, ValidationError
 from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, RestartWorkers,
                             StepOutputs, StepPlan, StepResult, WorkerReady)
 from scheduler_proc.engine import SchedulerEngine
+
+Message = TypeVar("Message")
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +164,18 @@ class SchedulerLoop:
                 break
             if self.engine is not None:
                 self._serve_frontend_only()
-            message = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)),
-                                   sockets.RESULT_MESSAGES)
-            if isinstance(message, WorkerReady) and 0 <= message.rank < num_ranks:
-                logger.info("worker rank %d (pid %d) ready with %d KV blocks", message.rank,
-                            message.pid, message.num_kv_blocks)
-                blocks_by_rank[message.rank] = message.num_kv_blocks
-                self._worker_pids[message.rank] = message.pid
-            elif message is not None:
-                self._count_bad(f"unexpected {message!r:.120} while waiting for workers")
+            # Only WorkerReady is expected now: a StepResult here is counted as a protocol error.
+            ready = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)),
+                                 WorkerReady)
+            if ready is None:
+                continue
+            if not 0 <= ready.rank < num_ranks:
+                self._count_bad(f"unexpected {ready!r:.120} while waiting for workers")
+                continue
+            logger.info("worker rank %d (pid %d) ready with %d KV blocks", ready.rank, ready.pid,
+                        ready.num_kv_blocks)
+            blocks_by_rank[ready.rank] = ready.num_kv_blocks
+            self._worker_pids[ready.rank] = ready.pid
         if self._should_exit():
             return None
         missing = [rank for rank in range(num_ranks) if rank not in blocks_by_rank]
@@ -208,11 +214,11 @@ class SchedulerLoop:
                 frame = self._requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = self._decode(frame, sockets.REQUEST_MESSAGES)
-            if isinstance(message, AddRequest):
-                self.engine.add(message)
-            elif isinstance(message, AbortRequest):
-                self.engine.abort(message.request_ids, message.choice_indices.tolist())
+            match self._decode(frame, sockets.REQUEST_MESSAGES):
+                case AddRequest() as add:
+                    self.engine.add(add)
+                case AbortRequest() as abort:
+                    self.engine.abort(abort.request_ids, abort.choice_indices.tolist())
 
     def _serve_frontend_only(self) -> None:
         self._drain_requests()
@@ -297,15 +303,15 @@ class SchedulerLoop:
                 if self._dead_ranks([rank for rank in range(num_ranks) if rank not in answers]):
                     break
                 continue
-            message = self._decode(self._results.recv(), sockets.RESULT_MESSAGES)
-            if (isinstance(message, StepResult) and message.step_id == step_id
-                    and message.rank < num_ranks):
-                answers[message.rank] = message
-            elif isinstance(message, StepResult):
-                self._count_bad(f"discarded a result for step {message.step_id} from rank {message.rank} "
+            # Only StepResult is expected now: a WorkerReady here is counted as a protocol error.
+            result = self._decode(self._results.recv(), StepResult)
+            if result is None:
+                continue
+            if result.step_id == step_id and result.rank < num_ranks:
+                answers[result.rank] = result
+            else:
+                self._count_bad(f"discarded a result for step {result.step_id} from rank {result.rank} "
                                 f"while waiting for {step_id}")
-            elif message is not None:
-                self._count_bad(f"unexpected {message!r:.120} on the results channel")
         if len(answers) < num_ranks:
             return None, [rank for rank in range(num_ranks) if rank not in answers]
         failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
@@ -317,9 +323,10 @@ class SchedulerLoop:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
         deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
         if self.num_protocol_errors or self.num_worker_restarts or not self._workers_serving:
-            outputs = dataclasses.replace(outputs, num_protocol_errors_total=self.num_protocol_errors,
-                                          workers_serving=self._workers_serving,
-                                          num_worker_restarts_total=self.num_worker_restarts)
+            stats = dataclasses.replace(outputs.stats, num_protocol_errors_total=self.num_protocol_errors,
+                                        workers_serving=self._workers_serving,
+                                        num_worker_restarts_total=self.num_worker_restarts)
+            outputs = dataclasses.replace(outputs, stats=stats)
         if self._should_exit():
             outputs = dataclasses.replace(outputs, engine_stopping=True)
         if self._send_frame(self._outputs, codec.encode(outputs), deadline):
@@ -341,7 +348,8 @@ class SchedulerLoop:
                     return False
                 sock.poll(int(min(remaining_s, POLL_SLICE_S) * 1000), zmq.POLLOUT)
 
-    def _decode(self, frame: bytes | None, expected: tuple[type, ...]) -> object | None:
+    def _decode(self, frame: bytes | None, expected: type[Message] | tuple[type, ...]) -> Message | None:
+        """The frame's message if it is one of `expected` (this read's types), else None, counted."""
         if frame is None:
             return None
         try:

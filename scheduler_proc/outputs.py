@@ -4,29 +4,16 @@ one proto StepOutputs."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from proto.logprobs import LogprobEntries, concat_entries
-from proto.messages import ERROR_NONE, EVENT_FINISHED, StepOutputs
+from proto.messages import (ERROR_NONE, EVENT_FINISHED, FinishReason, LifecycleEvents, SchedulerStats,
+                            StepOutputs)
 from scheduler_proc.request import Request
 
 HEARTBEAT_STEP_ID = -1  # step_id of StepOutputs that belong to no step (heartbeats, flushes)
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int  # sequences (choices) holding a seat
-    num_waiting: int  # sequences waiting, held siblings included
-    num_waiting_tokens: int  # tokens the waiting sequences must compute (held siblings not included)
-    kv_cache_usage: float  # fraction of KV blocks held by sequences, 0..1
-    num_preemptions_total: int
-    num_padded_slot_steps_total: int  # static policy: seat-steps held by finished requests
-    prefix_cache_queries_total: int  # tokens
-    prefix_cache_hits_total: int  # tokens
-    num_requests_recovered_total: int = 0  # running sequences requeued after their workers were lost
 
 
 class OutputOwner(NamedTuple):
@@ -60,7 +47,7 @@ class OutputBuffer:
     def _reset(self) -> None:
         self._owners: list[Request | OutputOwner] = []  # per row
         self._token_ids: list[int] = []  # per row: its new token, or -1 for none
-        self._finishes: dict[int, tuple[str, str]] = {}  # row -> (finish reason, error message)
+        self._finishes: dict[int, tuple[FinishReason, str]] = {}  # row -> (finish reason, error message)
         self._error_codes: dict[int, int] = {}  # row -> ERROR_* code, for the rare coded errors
         self._event_request_ids: list[str] = []
         self._event_choice_indices: list[int] = []
@@ -71,17 +58,18 @@ class OutputBuffer:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def add(self, owner: Request | OutputOwner, token_id: int = -1, finish_reason: str = "",
+    def add(self, owner: Request | OutputOwner, token_id: int = -1,
+            finish_reason: FinishReason = FinishReason.NONE,
             error_message: str = "", time_s: float = 0.0, finished_event: bool = True,
             error_code: int = ERROR_NONE) -> int:
         """Queue one output (a terminal one also gets a FINISHED event at `time_s`, unless it
         answers a duplicate request id, whose lifecycle belongs to the live request); its row.
-        `error_code` (an ERROR_* value) only goes with finish_reason "error"."""
+        `error_code` (an ERROR_* value) only goes with FinishReason.ERROR."""
         row = len(self._owners)
         self._owners.append(owner)
         self._token_ids.append(token_id)
         if error_code != ERROR_NONE:
-            assert finish_reason == "error", f"error code {error_code} on a {finish_reason!r} finish"
+            assert finish_reason == FinishReason.ERROR, f"error code {error_code} on a {finish_reason!r} finish"
             self._error_codes[row] = error_code
         if finish_reason:
             self._finishes[row] = (finish_reason, error_message)
@@ -113,13 +101,19 @@ class OutputBuffer:
         has_token = token_ids >= 0  # bool [num_outputs]
         cu_new_tokens = np.zeros(len(owners) + 1, dtype=np.int32)  # int32 [num_outputs + 1]
         np.cumsum(has_token, out=cu_new_tokens[1:])
-        finish_reasons, error_messages = [""] * len(owners), [""] * len(owners)
+        finish_reasons, error_messages = [FinishReason.NONE] * len(owners), [""] * len(owners)
         for row, (reason, message) in self._finishes.items():
             finish_reasons[row], error_messages[row] = reason, message
         # uint8 [num_outputs] ERROR_* codes; empty (the common case) when no row has one
         error_codes = np.zeros(len(owners) if self._error_codes else 0, dtype=np.uint8)
         for row, code in self._error_codes.items():
             error_codes[row] = code
+        events = LifecycleEvents(
+            request_ids=self._event_request_ids,
+            choice_indices=np.array(self._event_choice_indices, dtype=np.int32),  # int32 [num_events]
+            kinds=np.array(self._event_kinds, dtype=np.uint8),  # uint8 [num_events]
+            times_s=np.array(self._event_times_s, dtype=np.float64),  # float64 [num_events]
+        )
         outputs = StepOutputs(
             step_id=step_id,
             request_ids=[owner.request_id for owner in owners],
@@ -127,26 +121,15 @@ class OutputBuffer:
             new_token_ids=token_ids[has_token],  # int32 [total_new_tokens]
             finish_reasons=finish_reasons,
             error_messages=error_messages,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_waiting_tokens=stats.num_waiting_tokens,
-            kv_cache_usage=stats.kv_cache_usage,
-            num_preemptions_total=stats.num_preemptions_total,
+            stats=stats,
             step_duration_s=step_duration_s,
             wall_time_s=time.time(),
+            num_scheduled_tokens=num_scheduled_tokens,
             choice_indices=np.array([o.choice_index for o in owners], dtype=np.int32),  # int32 [num_outputs]
             num_cached_tokens=np.array([o.num_cached_tokens for o in owners], dtype=np.int32),
             error_codes=error_codes,
-            event_request_ids=self._event_request_ids,
-            event_choice_indices=np.array(self._event_choice_indices, dtype=np.int32),  # int32 [num_events]
-            event_kinds=np.array(self._event_kinds, dtype=np.uint8),  # uint8 [num_events]
-            event_times_s=np.array(self._event_times_s, dtype=np.float64),  # float64 [num_events]
-            num_scheduled_tokens=num_scheduled_tokens,
-            num_padded_slot_steps_total=stats.num_padded_slot_steps_total,
-            prefix_cache_queries_total=stats.prefix_cache_queries_total,
-            prefix_cache_hits_total=stats.prefix_cache_hits_total,
-            num_requests_recovered_total=stats.num_requests_recovered_total,
-            **concat_entries(self._logprobs).as_lp_fields(),
+            events=events,
+            logprobs=concat_entries(self._logprobs),
         )
         self._reset()
         return outputs

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from proto.messages import StepPlan
-from scheduler_proc.plan_constants import COLUMN, PADDING_ROW, PlanConstants
+from proto.sampling_columns import LogitBias, PenaltyHistory, SamplingColumns
+from scheduler_proc.plan_constants import HAS_BIAS, HAS_PENALTIES, NUM_PARAMS, PADDING_ROW, PlanConstants
 from scheduler_proc.request import Request
 from scheduler_proc.scheduled_batch import ScheduledBatch
 from scheduler_proc.stop import active_bias
@@ -19,46 +20,38 @@ def build_plan(step_id: int, batch: ScheduledBatch, constants: PlanConstants) ->
     """The plan every rank receives. Members keep the batch order."""
     assert len(batch), "a plan needs at least one member"
     requests = batch.requests
-    num_computed = np.array(batch.num_computed_tokens, dtype=np.int32)  # int32 [num_seqs]
     num_scheduled = np.array(batch.num_scheduled_tokens, dtype=np.int32)  # int32 [num_seqs]
     sample_mask = np.array(batch.sample, dtype=np.bool_)  # bool [num_seqs]
-    values, seeds = constants.gather(np.array([r.slot for r in requests], dtype=np.int64))
-    if batch.padding_rows:
-        values[batch.padding_rows] = PADDING_ROW
-        seeds[batch.padding_rows] = 0
     cu_block_ids, block_ids = _ragged([r.block_ids for r in requests])
-    num_prompt_logprobs, next_prompt_token_ids = _prompt_logprob_asks(batch)
-    samples = sample_mask & (values[:, COLUMN["has_bias"]] > 0)
-    bias_rows, bias_token_ids, bias_values = _bias_triples(requests, np.flatnonzero(samples))
-    penalised = np.flatnonzero(sample_mask & (values[:, COLUMN["has_penalties"]] > 0))
-    cu_history, history_token_ids, history_num_prompt = _penalty_history(requests, penalised)
     return StepPlan(
         step_id=step_id,
         request_ids=[r.label for r in requests],
         input_ids=_input_ids(batch, num_scheduled),
-        num_computed_tokens=num_computed,
+        num_computed_tokens=np.array(batch.num_computed_tokens, dtype=np.int32),  # int32 [num_seqs]
         num_scheduled_tokens=num_scheduled,
         cu_block_ids=cu_block_ids,
         block_ids=block_ids,
         sample_mask=sample_mask,
-        temperature=values[:, COLUMN["temperature"]].astype(np.float32),
-        top_p=values[:, COLUMN["top_p"]].astype(np.float32),
-        top_k=values[:, COLUMN["top_k"]].astype(np.int32),
-        min_p=values[:, COLUMN["min_p"]].astype(np.float32),
-        repetition_penalty=values[:, COLUMN["repetition_penalty"]].astype(np.float32),
-        presence_penalty=values[:, COLUMN["presence_penalty"]].astype(np.float32),
-        frequency_penalty=values[:, COLUMN["frequency_penalty"]].astype(np.float32),
-        seeds=seeds,
-        bias_rows=bias_rows,
-        bias_token_ids=bias_token_ids,
-        bias_values=bias_values,
-        cu_history=cu_history,
-        history_token_ids=history_token_ids,
-        history_num_prompt=history_num_prompt,
-        num_logprobs=values[:, COLUMN["num_logprobs"]].astype(np.int32),
-        num_prompt_logprobs=num_prompt_logprobs,
-        next_prompt_token_ids=next_prompt_token_ids,
+        sampling=_sampling_columns(batch, constants, sample_mask),
     )
+
+
+def _sampling_columns(batch: ScheduledBatch, constants: PlanConstants,
+                      sample_mask: np.ndarray) -> SamplingColumns:
+    """Every member's constants row, its biases and penalty history when it samples, and its
+    prompt logprob asks."""
+    requests = batch.requests
+    values, seeds = constants.gather(np.array([r.slot for r in requests], dtype=np.int64))
+    if batch.padding_rows:
+        values[batch.padding_rows] = PADDING_ROW
+        seeds[batch.padding_rows] = 0
+    biased = np.flatnonzero(sample_mask & (values[:, HAS_BIAS] > 0))
+    penalised = np.flatnonzero(sample_mask & (values[:, HAS_PENALTIES] > 0))
+    num_prompt_logprobs, next_prompt_token_ids = _prompt_logprob_asks(batch)
+    return SamplingColumns.from_rows(values[:, :NUM_PARAMS], seeds, _logit_bias(requests, biased),
+                                     _penalty_history(requests, penalised),
+                                     num_prompt_logprobs=num_prompt_logprobs,
+                                     next_prompt_token_ids=next_prompt_token_ids)
 
 
 def _input_ids(batch: ScheduledBatch, num_scheduled: np.ndarray) -> np.ndarray:
@@ -100,7 +93,7 @@ def _ragged(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return offsets, values
 
 
-def _bias_triples(requests: Sequence[Request], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _logit_bias(requests: Sequence[Request], rows: np.ndarray) -> LogitBias:
     """Sparse (row, token, value) logit adjustments of the sampling members with any."""
     row_ids, token_ids, values = [], [], []
     for row in rows.tolist():
@@ -110,12 +103,12 @@ def _bias_triples(requests: Sequence[Request], rows: np.ndarray) -> tuple[np.nda
             token_ids.append(bias.token_ids)
             values.append(bias.values)
     if not row_ids:
-        return _EMPTY_INT32, _EMPTY_INT32, np.empty(0, dtype=np.float32)
+        return LogitBias()
     # int32 [num_biases], int32 [num_biases], float32 [num_biases]
-    return np.concatenate(row_ids), np.concatenate(token_ids), np.concatenate(values)
+    return LogitBias(np.concatenate(row_ids), np.concatenate(token_ids), np.concatenate(values))
 
 
-def _penalty_history(requests: Sequence[Request], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _penalty_history(requests: Sequence[Request], rows: np.ndarray) -> PenaltyHistory:
     """Prompt + output ids of the sampling members with active penalties; empty ranges elsewhere."""
     num_prompt = np.zeros(len(requests), dtype=np.int32)  # int32 [num_seqs]
     lengths = np.zeros(len(requests), dtype=np.int32)  # int32 [num_seqs]
@@ -128,4 +121,4 @@ def _penalty_history(requests: Sequence[Request], rows: np.ndarray) -> tuple[np.
     cu_history = np.zeros(len(requests) + 1, dtype=np.int32)  # int32 [num_seqs + 1]
     np.cumsum(lengths, out=cu_history[1:])
     history_token_ids = np.concatenate(histories) if histories else _EMPTY_INT32  # int32 [total_history]
-    return cu_history, history_token_ids, num_prompt
+    return PenaltyHistory(cu_history, history_token_ids, num_prompt)

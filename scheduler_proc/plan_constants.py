@@ -1,17 +1,19 @@
-"""Per-sequence plan constants (sampling parameters, seed, logprob count) as numpy rows, so a plan
-gathers them for the whole batch with one index instead of building a tuple per member."""
+"""Per-sequence plan constants (the sampling columns named like SamplingParams fields, plus two
+flags) as numpy rows, so a plan gathers them for the whole batch with one index instead of
+building a tuple per member."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from proto.sampling import SamplingParams
+from proto.sampling_columns import PARAM_COLUMNS, SamplingColumns
 from scheduler_proc.request import Request
 
-COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "num_logprobs", "has_bias", "has_penalties")
-COLUMN = {name: index for index, name in enumerate(COLUMNS)}
+NUM_PARAMS = len(PARAM_COLUMNS)  # the first NUM_PARAMS columns: SamplingColumns.param_row
+HAS_BIAS, HAS_PENALTIES = NUM_PARAMS, NUM_PARAMS + 1  # then the scheduler's own flags
 # What a static batch's padding seat samples with: greedy, no penalties, no logprobs.
-PADDING_ROW = (0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, -1.0, 0.0, 0.0)
+PADDING_ROW = (*SamplingColumns.param_row(SamplingParams(temperature=0.0)), 0.0, 0.0)
 
 
 class PlanConstants:
@@ -19,7 +21,7 @@ class PlanConstants:
     finishes. All values fit float64 exactly; seeds (int64) live in their own array."""
 
     def __init__(self, capacity: int = 64) -> None:
-        self._values = np.zeros((capacity, len(COLUMNS)), dtype=np.float64)  # float64 [capacity, columns]
+        self._values = np.zeros((capacity, NUM_PARAMS + 2), dtype=np.float64)  # float64 [capacity, columns]
         self._seeds = np.zeros(capacity, dtype=np.int64)  # int64 [capacity]
         self._free_slots = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest
 
@@ -33,9 +35,7 @@ class PlanConstants:
         slot = self._free_slots.pop()
         params = request.sampling_params
         has_bias = bool(params.logit_bias) or len(request.min_tokens_logit_bias.token_ids) > 0
-        self._values[slot] = (params.temperature, params.top_p, max(params.top_k, 0), params.min_p,
-                              params.repetition_penalty, params.presence_penalty, params.frequency_penalty,
-                              params.logprobs, has_bias, params.has_penalties)
+        self._values[slot] = (*SamplingColumns.param_row(params), has_bias, params.has_penalties)
         self._seeds[slot] = request.seed
         request.slot = slot
 

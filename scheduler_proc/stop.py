@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from proto.messages import FinishReason
 from proto.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,8 +46,8 @@ def active_bias(request: Request) -> BiasTriples:
     return request.logit_bias
 
 
-def check_stop(request: Request, max_model_len: int) -> str:
-    """Finish reason after a token was appended ("" = keep going).
+def check_stop(request: Request, max_model_len: int) -> FinishReason:
+    """Finish reason after a token was appended (NONE = keep going).
 
     A stop token ends the request only once more than min_tokens tokens exist (the first
     min_tokens may not be stop tokens; the worker masks them, and a worker that did not is not
@@ -56,12 +57,12 @@ def check_stop(request: Request, max_model_len: int) -> str:
     params = request.sampling_params
     num_output = request.num_output_tokens
     if num_output > params.min_tokens and request.last_token_id in request.stop_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if num_output >= params.max_tokens:
-        return "length"
+        return FinishReason.LENGTH
     if max_model_len and request.num_tokens >= max_model_len:
-        return "length"
-    return ""
+        return FinishReason.LENGTH
+    return FinishReason.NONE
 
 
 def _triples(bias: dict[int, float]) -> BiasTriples:

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from proto import codec, messages
 from proto.errors import ProtocolError
+from proto.logprobs import LogprobEntries
 from proto.sampling import SamplingParams
+from proto.sampling_columns import SamplingColumns
 
 I32, F32 = np.int32, np.float32
 
@@ -24,12 +26,8 @@ def step_plan(step_id: int, request_ids: list[str], num_computed: list[int],
         step_id=step_id, request_ids=request_ids, input_ids=np.full(n, 3, I32),
         num_computed_tokens=np.asarray(num_computed, I32), num_scheduled_tokens=np.ones(n, I32),
         cu_block_ids=cu_block_ids, block_ids=np.asarray(sum(block_ids, []), I32),
-        sample_mask=np.ones(n, bool), temperature=np.zeros(n, F32), top_p=np.ones(n, F32),
-        top_k=np.zeros(n, I32), min_p=np.zeros(n, F32), repetition_penalty=np.ones(n, F32),
-        presence_penalty=np.zeros(n, F32), frequency_penalty=np.zeros(n, F32),
-        seeds=np.arange(n, dtype=np.int64), bias_rows=np.zeros(0, I32), bias_token_ids=np.zeros(0, I32),
-        bias_values=np.zeros(0, F32), cu_history=np.zeros(n + 1, I32), history_token_ids=np.zeros(0, I32),
-        history_num_prompt=np.zeros(n, I32))
+        sample_mask=np.ones(n, bool),
+        sampling=SamplingColumns.of_params([SamplingParams(temperature=0.0)] * n, seeds=range(n)))
 
 
 def valid_messages() -> list[object]:
@@ -39,15 +37,15 @@ def valid_messages() -> list[object]:
                             SamplingParams(seed=3, stop_token_ids=(1,), logit_bias=((4, -1.5),)), 1.0),
         messages.AbortRequest(["a", "b"], np.asarray([0, messages.ALL_CHOICES], I32)),
         step_plan(7, ["a", "b"], [0, 16], [[1], [2, 3]]),
-        messages.StepResult(7, np.asarray([5, 6], I32), "", lp_rows=np.zeros(1, I32),
-                            lp_positions=np.ones(1, I32), lp_token_ids=np.full(1, 5, I32),
-                            lp_logprobs=np.zeros(1, F32), lp_cu_top=np.asarray([0, 1], I32),
-                            lp_top_token_ids=np.full(1, 5, I32), lp_top_logprobs=np.zeros(1, F32)),
+        messages.StepResult(7, np.asarray([5, 6], I32), "", LogprobEntries(
+            rows=np.zeros(1, I32), positions=np.ones(1, I32), token_ids=np.full(1, 5, I32),
+            logprobs=np.zeros(1, F32), cu_top=np.asarray([0, 1], I32), top_token_ids=np.full(1, 5, I32),
+            top_logprobs=np.zeros(1, F32))),
         messages.WorkerReady(1, 64, 42),
-        messages.StepOutputs(3, ["a"], np.asarray([0, 2], I32), np.asarray([9, 8], I32), ["length"],
-                             [""], 1, 0, 0.25, 0, 0.01, 1.0, event_request_ids=["a"],
-                             event_choice_indices=np.zeros(1, I32), event_kinds=np.ones(1, np.uint8),
-                             event_times_s=np.ones(1)),
+        messages.StepOutputs(3, ["a"], np.asarray([0, 2], I32), np.asarray([9, 8], I32),
+                             [messages.FinishReason.LENGTH], [""], messages.SchedulerStats(1, 0, 0, 0.25, 0),
+                             0.01, 1.0, events=messages.LifecycleEvents(
+                                 ["a"], np.zeros(1, I32), np.ones(1, np.uint8), np.ones(1))),
         messages.ProcessReady("scheduler", 1, "ok"),
         messages.ProcessFailed("worker0", 2, "no model"),
     ]

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from proto.messages import StepPlan
+from proto.sampling import SamplingParams
+from proto.sampling_columns import SamplingColumns
 from worker_proc.attention import AttentionBackend, RaggedBatch, to_device
 
 
@@ -90,9 +92,4 @@ def synthetic_plan(step_id: int, contexts: np.ndarray, num_scheduled: np.ndarray
         num_scheduled_tokens=num_scheduled.astype(i32),
         cu_block_ids=(np.arange(n + 1) * max_blocks).astype(i32),
         block_ids=np.arange(n * max_blocks, dtype=i32), sample_mask=np.ones(n, bool),
-        temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, i32),
-        min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
-        presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
-        seeds=np.zeros(n, np.int64), bias_rows=np.zeros(0, i32), bias_token_ids=np.zeros(0, i32),
-        bias_values=np.zeros(0, np.float32), cu_history=np.zeros(n + 1, i32),
-        history_token_ids=np.zeros(0, i32), history_num_prompt=np.zeros(n, i32))
+        sampling=SamplingColumns.of_params([SamplingParams(temperature=0.0)] * n))

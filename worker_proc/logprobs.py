@@ -34,9 +34,9 @@ class PromptTargets:
 def prompt_targets(plan: StepPlan) -> PromptTargets:
     """Positions [c + 1, c + s - 1] of every asking member, plus c + s when the plan names the
     next prompt token: O(entries) numpy."""
-    num_seqs = plan.num_seqs
-    asks = plan.num_prompt_logprobs >= 0 if len(plan.num_prompt_logprobs) else np.zeros(num_seqs, bool)
-    next_ids = (plan.next_prompt_token_ids.astype(np.int64) if len(plan.next_prompt_token_ids)
+    num_seqs, columns = plan.num_seqs, plan.sampling
+    asks = columns.num_prompt_logprobs >= 0 if len(columns.num_prompt_logprobs) else np.zeros(num_seqs, bool)
+    next_ids = (columns.next_prompt_token_ids.astype(np.int64) if len(columns.next_prompt_token_ids)
                 else np.full(num_seqs, -1, dtype=np.int64))  # int64 [num_seqs]
     num_scheduled = plan.num_scheduled_tokens.astype(np.int64)
     first_row = np.zeros(num_seqs, dtype=np.int64)  # int64 [num_seqs] flat row of each chunk start
@@ -53,16 +53,14 @@ def prompt_targets(plan: StepPlan) -> PromptTargets:
         positions=plan.num_computed_tokens[members].astype(np.int64) + 1 + offsets,
         token_rows=token_rows,
         token_ids=np.where(inside, ids_in_chunk, next_ids[members]).astype(np.int64),
-        num_top=plan.num_prompt_logprobs[members].astype(np.int64) if len(members)
+        num_top=columns.num_prompt_logprobs[members].astype(np.int64) if len(members)
         else np.zeros(0, dtype=np.int64),
     )
 
 
 def sampled_asks(plan: StepPlan, sample_members: np.ndarray) -> np.ndarray:
     """bool [num_sampled]: which sampling rows want the sampled token's logprob."""
-    if not len(plan.num_logprobs):
-        return np.zeros(len(sample_members), dtype=bool)
-    return plan.num_logprobs[sample_members] >= 0
+    return plan.sampling.logprobs[sample_members] >= 0
 
 
 def compute_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, members: np.ndarray,

@@ -87,7 +87,7 @@ def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq
                 return
             continue
         try:
-            plan = codec.decode(frame, sockets.PLAN_MESSAGES)
+            plan = codec.decode(frame, StepPlan)
         except ProtocolError as exc:
             counters.num_protocol_errors += 1
             log.error("dropped a bad frame (%d so far): %s", counters.num_protocol_errors, exc)

@@ -50,7 +50,7 @@ class NullModelRunner:
         members = np.flatnonzero(plan.sample_mask)
         positions = (plan.num_computed_tokens[members].astype(np.uint64)
                      + plan.num_scheduled_tokens[members].astype(np.uint64))
-        tokens = (_mix(plan.seeds[members].view(np.uint64), positions) % np.uint64(self.vocab_size))
+        tokens = (_mix(plan.sampling.seeds[members].view(np.uint64), positions) % np.uint64(self.vocab_size))
         tokens = tokens.astype(np.int64)
         for _ in range(len(self.eos_token_ids)):  # each pass moves off at most one more EOS id
             is_eos = np.isin(tokens, self.eos_token_ids)
@@ -63,10 +63,10 @@ class NullModelRunner:
             _null_entries(targets.members, targets.positions, targets.token_ids, targets.num_top,
                           self.vocab_size),
             _null_entries(members[asks], positions[asks].astype(np.int64), tokens[asks],
-                          plan.num_logprobs[members[asks]] if asks.any() else np.zeros(0, np.int64),
+                          plan.sampling.logprobs[members[asks]] if asks.any() else np.zeros(0, np.int64),
                           self.vocab_size)])
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.astype(np.int32), error="",
-                          rank=self.rank, **entries.as_lp_fields())
+                          rank=self.rank, logprobs=entries)
 
 
 def _null_entries(members: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,

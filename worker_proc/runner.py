@@ -146,9 +146,9 @@ class ModelRunner:
         if raw is not None:
             members = batch.sample_members[asks]
             parts.append(compute_entries(raw, tokens[torch.from_numpy(asks)], members,
-                                         batch.sample_positions[asks], plan.num_logprobs[members]))
+                                         batch.sample_positions[asks], plan.sampling.logprobs[members]))
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.numpy().astype(np.int32),
-                          error="", **concat_entries(parts).as_lp_fields())
+                          error="", logprobs=concat_entries(parts))
 
     @torch.inference_mode()
     def logits_for_all_tokens(self, plan: StepPlan) -> torch.Tensor:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from proto.messages import StepPlan
+from proto.sampling_columns import PARAM_COLUMNS
 
 _MASK64 = (1 << 64) - 1
 
@@ -40,33 +41,37 @@ class SamplingBatch:
 def sampling_batch_from_plan(plan: StepPlan, sample_members: np.ndarray,
                              sample_positions: np.ndarray) -> SamplingBatch:
     """Select the sampling members' params and re-index biases and history by sampling row."""
+    columns = plan.sampling
     row_of_member = np.full(plan.num_seqs, -1, dtype=np.int64)
     row_of_member[sample_members] = np.arange(len(sample_members))
-    bias_rows = row_of_member[plan.bias_rows]
+    bias_rows = row_of_member[columns.bias.rows]
     keep_bias = bias_rows >= 0
-    history_members = np.repeat(np.arange(plan.num_seqs), np.diff(plan.cu_history))
-    offsets = np.arange(len(history_members)) - plan.cu_history[history_members]
+    history = columns.history
+    history_members = np.repeat(np.arange(plan.num_seqs), np.diff(history.cu))
+    offsets = np.arange(len(history_members)) - history.cu[history_members]
     history_rows = row_of_member[history_members]
     keep_history = history_rows >= 0
-
-    def rows(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values[sample_members]))
-
     return SamplingBatch(
-        temperature=rows(plan.temperature), top_k=rows(plan.top_k.astype(np.int64)),
-        top_p=rows(plan.top_p), min_p=rows(plan.min_p),
-        repetition_penalty=rows(plan.repetition_penalty),
-        presence_penalty=rows(plan.presence_penalty),
-        frequency_penalty=rows(plan.frequency_penalty),
-        seeds=plan.seeds[sample_members], positions=np.asarray(sample_positions, dtype=np.int64),
+        **{name: _rows(getattr(columns, name), sample_members) for name in _PARAM_TENSORS},
+        seeds=columns.seeds[sample_members], positions=np.asarray(sample_positions, dtype=np.int64),
         bias_rows=torch.from_numpy(bias_rows[keep_bias]),
-        bias_token_ids=torch.from_numpy(plan.bias_token_ids[keep_bias].astype(np.int64)),
-        bias_values=torch.from_numpy(plan.bias_values[keep_bias]),
+        bias_token_ids=torch.from_numpy(columns.bias.token_ids[keep_bias].astype(np.int64)),
+        bias_values=torch.from_numpy(columns.bias.values[keep_bias]),
         history_rows=torch.from_numpy(history_rows[keep_history]),
-        history_token_ids=torch.from_numpy(plan.history_token_ids[keep_history].astype(np.int64)),
+        history_token_ids=torch.from_numpy(history.token_ids[keep_history].astype(np.int64)),
         history_is_output=torch.from_numpy(
-            (offsets >= plan.history_num_prompt[history_members])[keep_history]),
+            (offsets >= history.num_prompt[history_members])[keep_history]),
     )
+
+
+def _rows(column: np.ndarray, sample_members: np.ndarray) -> torch.Tensor:
+    """The sampling rows of a column; integer columns as int64 (torch's index type)."""
+    values = column[sample_members]
+    return torch.from_numpy(values.astype(np.int64) if values.dtype.kind == "i" else values)
+
+
+# SamplingBatch's per-row parameters: taken from the same-named SamplingColumns column.
+_PARAM_TENSORS = tuple(f.name for f in fields(SamplingBatch) if f.name in PARAM_COLUMNS)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

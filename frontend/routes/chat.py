@@ -17,6 +17,7 @@ from frontend.routes.serving import serve_job
 from frontend.state import ServerState, get_state
 from frontend.tokenizer import Tokenizer
 from frontend.validation import GenerationJob, chat_job
+from proto.messages import FinishReason
 
 router = APIRouter()
 
@@ -45,7 +46,7 @@ class ChatFormat:
             return None
         return _delta(delta.index, {"content": delta.text} if delta.text else {}, logprobs, None)
 
-    def finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+    def finish_choice(self, index: int, finish_reason: FinishReason) -> dict[str, Any]:
         return _delta(index, {}, None, finish_reason)
 
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]:
@@ -58,7 +59,7 @@ class ChatFormat:
 
 
 def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-           finish_reason: str | None) -> dict[str, Any]:
+           finish_reason: FinishReason | None) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

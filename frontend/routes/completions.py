@@ -17,6 +17,7 @@ from frontend.routes.serving import serve_job
 from frontend.state import ServerState, get_state
 from frontend.tokenizer import Tokenizer
 from frontend.validation import GenerationJob, completion_job
+from proto.messages import FinishReason
 
 router = APIRouter()
 
@@ -44,7 +45,7 @@ class CompletionFormat:
             return None
         return _choice(delta.index, delta.text, logprobs, None)
 
-    def finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+    def finish_choice(self, index: int, finish_reason: FinishReason) -> dict[str, Any]:
         return _choice(index, "", None, finish_reason)
 
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]:
@@ -62,7 +63,7 @@ class CompletionFormat:
 
 
 def _choice(index: int, text: str, logprobs: dict[str, Any] | None,
-            finish_reason: str | None) -> dict[str, Any]:
+            finish_reason: FinishReason | None) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

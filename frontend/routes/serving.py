@@ -18,6 +18,7 @@ from frontend.errors import APIError, too_many_requests
 from frontend.generation import Generation, abort_on_disconnect
 from frontend.state import QUEUE_LIMIT_OF_ERROR_CODE, ServerState
 from frontend.validation import GenerationJob
+from proto.messages import FinishReason
 
 
 class ResponseFormat(Protocol):
@@ -35,7 +36,7 @@ class ResponseFormat(Protocol):
     def chunk_choice(self, generation: Generation, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk for a step's text and logprobs; None when it has neither."""
 
-    def finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]: ...
+    def finish_choice(self, index: int, finish_reason: FinishReason) -> dict[str, Any]: ...
 
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]: ...
 
@@ -111,7 +112,7 @@ async def _sse_events(state: ServerState, request: Request, generation: Generati
                 choice = fmt.chunk_choice(generation, delta)
                 if choice is not None:
                     yield chunk(choice)
-                if delta.finish_reason in ("stop", "length"):
+                if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                     yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))
         except EngineUnavailableError as exc:
             yield _sse(_unavailable(exc).body())
@@ -133,7 +134,7 @@ def _failure(state: ServerState, generation: Generation) -> APIError:
     failed = generation.failure
     assert failed is not None, "only a request with a failed choice has a failure"
     message = generation.error_message or failed.error_message or "the request was aborted"
-    if failed.finish_reason == "abort":
+    if failed.finish_reason is FinishReason.ABORT:
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, "aborted")
     limit = QUEUE_LIMIT_OF_ERROR_CODE.get(failed.error_code)  # the scheduler said so, by code
     if limit is not None:

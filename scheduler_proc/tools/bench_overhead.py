@@ -22,7 +22,7 @@ import zmq
 
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import AddRequest, ProcessFailed, StepResult, WorkerReady
+from proto.messages import AddRequest, StepResult, WorkerReady
 from proto.sampling import SamplingParams
 from scheduler_proc.engine import SchedulerEngine
 
@@ -38,11 +38,8 @@ def _await_ready(results: zmq.Socket, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         frame = sockets.recv_ready(results, 0.5)
-        message = codec.decode(frame) if frame is not None else None
-        if isinstance(message, WorkerReady):
-            return message.num_kv_blocks
-        if isinstance(message, ProcessFailed):
-            raise RuntimeError(message.message)
+        if frame is not None:
+            return codec.decode(frame, WorkerReady).num_kv_blocks
     raise RuntimeError(f"null worker not ready within {timeout_s} s")
 
 
@@ -67,8 +64,8 @@ def run_steps(engine: SchedulerEngine, plan_sock: zmq.Socket, results: zmq.Socke
         plan_sock.send(frame, copy=False)
         reply = results.recv()
         t3 = time.perf_counter()
-        result = codec.decode(reply)
-        assert isinstance(result, StepResult) and not result.error, result
+        result = codec.decode(reply, StepResult)
+        assert not result.error, result
         t4 = time.perf_counter()
         engine.apply_result(result)
         t5 = time.perf_counter()

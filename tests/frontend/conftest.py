@@ -24,7 +24,7 @@ from frontend.app import create_app
 from frontend.tokenizer import Tokenizer
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import AddRequest, StepOutputs
+from proto.messages import AddRequest, SchedulerStats, StepOutputs
 
 REPLY_TEXT = "Paris is the capital of France."
 
@@ -94,8 +94,9 @@ def step_outputs(request_ids: list[str], tokens: list[list[int]], finish_reasons
         cu_new_tokens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
         new_token_ids=np.array([t for ts in tokens for t in ts], dtype=np.int32),
         finish_reasons=finish_reasons, error_messages=[""] * len(request_ids),
-        num_running=len(request_ids), num_waiting=0, kv_cache_usage=0.1,
-        num_preemptions_total=0, step_duration_s=0.001, wall_time_s=time.time())
+        stats=SchedulerStats(num_running=len(request_ids), num_waiting=0, num_waiting_tokens=0,
+                             kv_cache_usage=0.1, num_preemptions_total=0),
+        step_duration_s=0.001, wall_time_s=time.time())
 
 
 class FakeScheduler(threading.Thread):
@@ -119,7 +120,7 @@ class FakeScheduler(threading.Thread):
         while not self.stop.is_set():
             frame = sockets.recv_ready(self._requests, 0.02)
             if frame is not None:
-                self._on_message(codec.decode(frame))
+                self._on_message(codec.decode(frame, sockets.REQUEST_MESSAGES))
             elif self.heartbeats:
                 self._send(codec.encode(step_outputs([], [], [], step_id=-1)))
             self._answer_due()

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from frontend.engine_outputs import EngineDelta, EngineListener, EngineStats, OutputRouter
+from frontend.engine_outputs import EngineDelta, EngineListener, OutputRouter
 from proto import codec
+from proto.logprobs import LogprobEntries
 from proto.messages import (ERROR_NONE, EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED,
-                            EVENT_QUEUED, EVENT_SCHEDULED, AddRequest, StepOutputs)
+                            EVENT_QUEUED, EVENT_SCHEDULED, AddRequest, LifecycleEvents, SchedulerStats,
+                            StepOutputs)
 from proto.sampling import SamplingParams
 
 QUEUE_S, PREFILL_S, DECODE_STEP_S = 0.25, 0.5, 0.125  # fake scheduler clock per phase
@@ -100,7 +102,7 @@ class FakeEngineClient:
         self.router.add_listener(listener)
 
     @property
-    def latest_stats(self) -> EngineStats | None:
+    def latest_stats(self) -> SchedulerStats | None:
         return self.router.latest_stats
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -108,7 +110,7 @@ class FakeEngineClient:
         route = self.router.open(request_id, sampling_params.n)
         # Through the real codec, as the ZMQ client sends it: what cannot travel fails here too.
         wire = codec.decode(codec.encode(AddRequest(request_id, np.asarray(prompt_token_ids, np.int32),
-                                                    sampling_params, time.time())))
+                                                    sampling_params, time.time())), AddRequest)
         self.added.append(AddedRequest(request_id, wire.prompt_token_ids.tolist(), wire.sampling_params))
         if self.hold:
             self.held.append((request_id, list(prompt_token_ids), sampling_params))
@@ -229,28 +231,31 @@ class FakeEngineClient:
             new_token_ids=np.array([t for r in rows for t in r.token_ids], dtype=np.int32),
             finish_reasons=[r.finish_reason for r in rows],
             error_messages=[r.error_message for r in rows],
-            num_running=self.num_running, num_waiting=self.num_waiting,
-            num_waiting_tokens=self.num_waiting_tokens,
-            kv_cache_usage=self.kv_cache_usage, num_preemptions_total=self.totals["num_preemptions_total"],
+            stats=SchedulerStats(
+                num_running=self.num_running, num_waiting=self.num_waiting,
+                num_waiting_tokens=self.num_waiting_tokens, kv_cache_usage=self.kv_cache_usage,
+                num_preemptions_total=self.totals["num_preemptions_total"],
+                num_protocol_errors_total=self.scheduler_protocol_errors,
+                prefix_cache_queries_total=self.totals["prefix_cache_queries_total"],
+                prefix_cache_hits_total=self.totals["prefix_cache_hits_total"]),
             step_duration_s=STEP_DURATION_S if step else 0.0, wall_time_s=self._clock_s,
             choice_indices=np.array([r.choice for r in rows], dtype=np.int32),
             num_cached_tokens=np.full(len(rows), self.num_cached_tokens, dtype=np.int32),
             error_codes=np.array([r.error_code for r in rows], dtype=np.uint8),
-            event_request_ids=[e[0] for e in events],
-            event_choice_indices=np.array([e[1] for e in events], dtype=np.int32),
-            event_kinds=np.array([e[2] for e in events], dtype=np.uint8),
-            event_times_s=np.full(len(events), self._clock_s, dtype=np.float64),
+            events=LifecycleEvents(
+                request_ids=[e[0] for e in events],
+                choice_indices=np.array([e[1] for e in events], dtype=np.int32),
+                kinds=np.array([e[2] for e in events], dtype=np.uint8),
+                times_s=np.full(len(events), self._clock_s, dtype=np.float64)),
             num_scheduled_tokens=num_scheduled if step else 0,
-            num_protocol_errors_total=self.scheduler_protocol_errors,
-            prefix_cache_queries_total=self.totals["prefix_cache_queries_total"],
-            prefix_cache_hits_total=self.totals["prefix_cache_hits_total"],
-            lp_rows=np.array([index for index, _ in entries], dtype=np.int32),
-            lp_positions=np.array([e[0] for _, e in entries], dtype=np.int32),
-            lp_token_ids=np.array([e[1] for _, e in entries], dtype=np.int32),
-            lp_logprobs=np.array([e[2] for _, e in entries], dtype=np.float32),
-            lp_cu_top=cu_top,
-            lp_top_token_ids=np.array([t for _, e in entries for t, _ in e[3]], dtype=np.int32),
-            lp_top_logprobs=np.array([lp for _, e in entries for _, lp in e[3]], dtype=np.float32),
+            logprobs=LogprobEntries(
+                rows=np.array([index for index, _ in entries], dtype=np.int32),
+                positions=np.array([e[0] for _, e in entries], dtype=np.int32),
+                token_ids=np.array([e[1] for _, e in entries], dtype=np.int32),
+                logprobs=np.array([e[2] for _, e in entries], dtype=np.float32),
+                cu_top=cu_top,
+                top_token_ids=np.array([t for _, e in entries for t, _ in e[3]], dtype=np.int32),
+                top_logprobs=np.array([lp for _, e in entries for _, lp in e[3]], dtype=np.float32)),
         )
 
 

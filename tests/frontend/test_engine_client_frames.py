@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from frontend.engine_client import ZmqEngineClient
 from proto import codec, sockets
-from proto.messages import StepOutputs
+from proto.messages import SchedulerStats, StepOutputs
 
 
 class Recorder:
@@ -24,7 +24,8 @@ class Recorder:
         self.num_protocol_errors += 1
 
 
-HEARTBEAT = StepOutputs(-1, [], np.zeros(1, np.int32), np.zeros(0, np.int32), [], [], 0, 0, 0.0, 0, 0.0, 1.0)
+HEARTBEAT = StepOutputs(-1, [], np.zeros(1, np.int32), np.zeros(0, np.int32), [], [],
+                        SchedulerStats(0, 0, 0, 0.0, 0), 0.0, 1.0)
 
 
 @settings(max_examples=150, deadline=None)
@@ -39,4 +40,4 @@ def test_garbage_outputs_frames_are_counted_are_no_sign_of_life_and_the_next_out
     assert not client.is_alive() and recorder.num_outputs == 0
     client.handle_frame(codec.encode(HEARTBEAT))
     assert client.is_alive() and recorder.num_outputs == 1
-    assert client.latest_stats is not None and client.latest_stats.step_id == -1
+    assert client.latest_stats is not None and client.latest_stats == HEARTBEAT.stats

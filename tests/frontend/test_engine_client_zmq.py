@@ -85,11 +85,11 @@ def test_the_scheduler_s_last_outputs_do_not_count_as_a_sign_of_life(runtime_dir
     import numpy as np
 
     from proto import codec
-    from proto.messages import StepOutputs
+    from proto.messages import SchedulerStats, StepOutputs
 
     def outputs(stopping: bool) -> bytes:
         return codec.encode(StepOutputs(
-            -1, [], np.zeros(1, np.int32), np.zeros(0, np.int32), [], [], 0, 0, 0.0, 0, 0.0, 0.0,
+            -1, [], np.zeros(1, np.int32), np.zeros(0, np.int32), [], [], SchedulerStats(0, 0, 0, 0.0, 0),
             engine_stopping=stopping))
 
     client = ZmqEngineClient(runtime_dir, alive_timeout_s=5.0, dead_after_s=10.0)

@@ -15,7 +15,7 @@ from frontend.app import create_app
 from frontend.engine_client import ZmqEngineClient
 from frontend.metrics import FrontendMetrics, one_two_five_buckets, power_of_two_buckets
 from proto import codec
-from proto.messages import StepOutputs
+from proto.messages import SchedulerStats, StepOutputs
 
 pytestmark = pytest.mark.anyio
 
@@ -31,9 +31,10 @@ def heartbeat(num_running: int = 0, num_waiting: int = 0, kv_cache_usage: float 
     return StepOutputs(
         step_id=-1, request_ids=[], cu_new_tokens=np.zeros(1, np.int32),
         new_token_ids=np.zeros(0, np.int32), finish_reasons=[], error_messages=[],
-        num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kv_cache_usage,
-        num_preemptions_total=totals.pop("num_preemptions_total", 0), step_duration_s=0.0,
-        wall_time_s=123.0, **totals)
+        stats=SchedulerStats(num_running=num_running, num_waiting=num_waiting, num_waiting_tokens=0,
+                             kv_cache_usage=kv_cache_usage,
+                             num_preemptions_total=totals.pop("num_preemptions_total", 0), **totals),
+        step_duration_s=0.0, wall_time_s=123.0)
 
 
 def samples(text: str) -> dict[str, float]:

@@ -44,7 +44,7 @@ def report(control: zmq.Socket, process: subprocess.Popen) -> object:
     if frame is None:
         process.kill()
         pytest.fail(f"no report from the frontend; its output:\n{process.communicate()[0].decode()}")
-    return codec.decode(frame)
+    return codec.decode(frame, sockets.CONTROL_MESSAGES)
 
 
 def frontend_config(model_dir: Path, runtime_dir: str, port: int = 0,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from frontend.engine_outputs import EngineDelta, OutputRouter, TokenLogprob
-from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, StepOutputs
+from proto.logprobs import LogprobEntries
+from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, SchedulerStats, StepOutputs
 
 pytestmark = pytest.mark.anyio
 
@@ -21,8 +22,7 @@ def outputs(rows: list[tuple[str, int, list[int], str]], **fields: object) -> St
         cu_new_tokens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
         new_token_ids=np.array([t for r in rows for t in r[2]], dtype=np.int32),
         finish_reasons=[r[3] for r in rows], error_messages=[""] * len(rows),
-        num_running=len(rows), num_waiting=0, kv_cache_usage=0.0, num_preemptions_total=0,
-        step_duration_s=0.0, wall_time_s=0.0,
+        stats=SchedulerStats(len(rows), 0, 0, 0.0, 0),
         choice_indices=np.array([r[1] for r in rows], dtype=np.int32), **fields)
 
 
@@ -35,11 +35,11 @@ async def collect(router: OutputRouter, request_id: str, num_choices: int,
 
 
 async def test_rows_reach_their_choice_with_their_logprob_entries_and_cache_hits():
-    logprobs = dict(lp_rows=np.array([0, 0], np.int32), lp_positions=np.array([3, 4], np.int32),
-                    lp_token_ids=np.array([9, 8], np.int32), lp_logprobs=np.array([-0.5, -1.5], np.float32),
-                    lp_cu_top=np.array([0, 1, 2], np.int32), lp_top_token_ids=np.array([9, 8], np.int32),
-                    lp_top_logprobs=np.array([-0.5, -1.5], np.float32),
-                    num_cached_tokens=np.array([16, 0, 0], np.int32))
+    entries = LogprobEntries(rows=np.array([0, 0], np.int32), positions=np.array([3, 4], np.int32),
+                             token_ids=np.array([9, 8], np.int32), logprobs=np.array([-0.5, -1.5], np.float32),
+                             cu_top=np.array([0, 1, 2], np.int32), top_token_ids=np.array([9, 8], np.int32),
+                             top_logprobs=np.array([-0.5, -1.5], np.float32))
+    logprobs = dict(logprobs=entries, num_cached_tokens=np.array([16, 0, 0], np.int32))
     message = outputs([("a", 1, [9], ""), ("a", 0, [7], "length"), ("b", 0, [1], "")], **logprobs)
     router = OutputRouter()
     other = router.open("b", 1)
@@ -88,6 +88,8 @@ async def test_listeners_see_every_message_even_for_requests_no_longer_routed():
 
     router = OutputRouter()
     router.add_listener(Listener())
-    router.route(dataclasses.replace(outputs([("gone", 0, [1], "")]), step_id=7), 1.0)
+    seventh = dataclasses.replace(outputs([("gone", 0, [1], "")]), step_id=7,
+                                  stats=SchedulerStats(7, 0, 0, 0.0, 0))
+    router.route(seventh, 1.0)
     router.protocol_error()
-    assert seen == [7, -99] and router.latest_stats.step_id == 7
+    assert seen == [7, -99] and router.latest_stats == seventh.stats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -10,23 +12,28 @@ from proto import codec, messages
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
 from proto.sampling import SamplingParams
+from proto.sampling_columns import LogitBias, PenaltyHistory, SamplingColumns
+
+FR = messages.FinishReason
 
 
 def _plan(num_seqs: int = 2) -> messages.StepPlan:
     i32 = lambda values: np.asarray(values, dtype=np.int32)  # noqa: E731
-    f32 = lambda values: np.asarray(values, dtype=np.float32)  # noqa: E731
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=5,
+                                                              repetition_penalty=1.1)][:num_seqs]
+    sampling = dataclasses.replace(
+        SamplingColumns.of_params(params, seeds=[1, 2**62][:num_seqs]),
+        bias=LogitBias(i32([1]), i32([9]), np.asarray([-np.inf], dtype=np.float32)),
+        history=PenaltyHistory(i32([0, 0, 3][: num_seqs + 1]), i32([1, 2, 3]), i32([0, 2][:num_seqs])))
     return messages.StepPlan(
         step_id=7, request_ids=[f"r{i}" for i in range(num_seqs)],
         input_ids=i32([5, 6, 7, 8][: num_seqs + 1]), num_computed_tokens=i32([0, 10][:num_seqs]),
         num_scheduled_tokens=i32([2, 1][:num_seqs]), cu_block_ids=i32([0, 1, 2][: num_seqs + 1]),
-        block_ids=i32([3, 4][:num_seqs]), sample_mask=np.ones(num_seqs, dtype=bool),
-        temperature=f32([0.0, 0.7][:num_seqs]), top_p=f32([1.0, 0.9][:num_seqs]),
-        top_k=i32([0, 5][:num_seqs]), min_p=f32([0, 0][:num_seqs]),
-        repetition_penalty=f32([1, 1.1][:num_seqs]), presence_penalty=f32([0, 0][:num_seqs]),
-        frequency_penalty=f32([0, 0][:num_seqs]), seeds=np.asarray([1, 2**62][:num_seqs], dtype=np.int64),
-        bias_rows=i32([1]), bias_token_ids=i32([9]), bias_values=f32([-np.inf]),
-        cu_history=i32([0, 0, 3][: num_seqs + 1]), history_token_ids=i32([1, 2, 3]),
-        history_num_prompt=i32([0, 2][:num_seqs]))
+        block_ids=i32([3, 4][:num_seqs]), sample_mask=np.ones(num_seqs, dtype=bool), sampling=sampling)
+
+
+def _stats(num_running: int = 0, num_waiting: int = 0, kv_cache_usage: float = 0.0) -> messages.SchedulerStats:
+    return messages.SchedulerStats(num_running, num_waiting, 0, kv_cache_usage, 0)
 
 
 def _assert_equal(a: object, b: object) -> None:
@@ -35,6 +42,8 @@ def _assert_equal(a: object, b: object) -> None:
         other = getattr(b, name)
         if isinstance(value, np.ndarray):
             assert value.dtype == other.dtype and np.array_equal(value, other), name
+        elif dataclasses.is_dataclass(value):
+            _assert_equal(value, other)
         else:
             assert value == other, name
 
@@ -49,15 +58,15 @@ def _assert_equal(a: object, b: object) -> None:
     messages.StepResult(7, np.asarray([1, 2], dtype=np.int32), ""),
     messages.WorkerReady(0, 128, 42),
     messages.StepOutputs(3, ["a"], np.asarray([0, 2], dtype=np.int32), np.asarray([9, 8], dtype=np.int32),
-                         ["length"], [""], 1, 0, 0.25, 0, 0.01, 1.0),
+                         [FR.LENGTH], [""], _stats(1, 0, 0.25), 0.01, 1.0),
     messages.StepOutputs(-1, ["a", "b"], np.zeros(3, dtype=np.int32), np.zeros(0, dtype=np.int32),
-                         ["error", "stop"], ["the waiting queue is full", ""], 0, 2, 0.0, 0, 0.0, 1.0,
+                         [FR.ERROR, FR.STOP], ["the waiting queue is full", ""], _stats(0, 2), 0.0, 1.0,
                          error_codes=np.asarray([messages.ERROR_QUEUE_FULL, 0], dtype=np.uint8)),
     messages.ProcessReady("scheduler", 1, "ok"),
     messages.ProcessFailed("worker0", 2, "no model"),
 ])
 def test_every_message_round_trips(message: object) -> None:
-    _assert_equal(codec.decode(codec.encode(message)), message)
+    _assert_equal(codec.decode(codec.encode(message), type(message)), message)
 
 
 @pytest.mark.parametrize("frame", [
@@ -67,21 +76,21 @@ def test_every_message_round_trips(message: object) -> None:
 ])
 def test_malformed_frames_raise_protocol_error(frame: bytes) -> None:
     with pytest.raises(ProtocolError):
-        codec.decode(frame)
+        codec.decode(frame, messages.MESSAGE_TYPES)
 
 
 def test_plan_with_inconsistent_lengths_is_rejected() -> None:
     frame = msgpack.unpackb(codec.encode(_plan()))
     frame[3] = np.asarray([1, 2, 3, 4, 5], dtype=np.int32).tobytes()  # input_ids != sum(scheduled)
     with pytest.raises(ProtocolError, match="num_scheduled_tokens"):
-        codec.decode(msgpack.packb(frame))
+        codec.decode(msgpack.packb(frame), messages.MESSAGE_TYPES)
 
 
 def test_outputs_with_unknown_finish_reason_are_rejected() -> None:
     message = messages.StepOutputs(1, ["a"], np.asarray([0, 0], dtype=np.int32), np.zeros(0, np.int32),
-                                   ["exploded"], [""], 0, 0, 0.0, 0, 0.0, 0.0)
-    with pytest.raises(ProtocolError, match="finish reasons"):
-        codec.decode(codec.encode(message))
+                                   ["exploded"], [""], _stats())
+    with pytest.raises(ProtocolError, match="not a FinishReason"):
+        codec.decode(codec.encode(message), type(message))
 
 
 @pytest.mark.parametrize("choice_indices, match", [
@@ -91,19 +100,19 @@ def test_outputs_with_unknown_finish_reason_are_rejected() -> None:
 def test_abort_with_bad_choice_indices_is_rejected(choice_indices: list[int], match: str) -> None:
     message = messages.AbortRequest(["a", "b"], np.asarray(choice_indices, dtype=np.int32))
     with pytest.raises(ProtocolError, match=match):
-        codec.decode(codec.encode(message))
+        codec.decode(codec.encode(message), type(message))
 
 
 @pytest.mark.parametrize("finish_reason, code, match", [
-    ("error", len(messages.ERROR_CODES), "unknown error code"),
-    ("stop", messages.ERROR_QUEUE_FULL, "did not finish with"),
+    (FR.ERROR, len(messages.ERROR_CODES), "unknown error code"),
+    (FR.STOP, messages.ERROR_QUEUE_FULL, "did not finish with"),
 ])
-def test_outputs_with_a_bad_error_code_are_rejected(finish_reason: str, code: int, match: str) -> None:
+def test_outputs_with_a_bad_error_code_are_rejected(finish_reason: FR, code: int, match: str) -> None:
     message = messages.StepOutputs(-1, ["a"], np.zeros(2, dtype=np.int32), np.zeros(0, np.int32),
-                                   [finish_reason], [""], 0, 0, 0.0, 0, 0.0, 0.0,
+                                   [finish_reason], [""], _stats(),
                                    error_codes=np.asarray([code], dtype=np.uint8))
     with pytest.raises(ProtocolError, match=match):
-        codec.decode(codec.encode(message))
+        codec.decode(codec.encode(message), type(message))
 
 
 def test_sampling_params_out_of_range_are_rejected_on_decode() -> None:
@@ -111,7 +120,7 @@ def test_sampling_params_out_of_range_are_rejected_on_decode() -> None:
         "a", np.arange(3, dtype=np.int32), SamplingParams(), 0.0)))
     frame[3][1] = -1.0  # temperature
     with pytest.raises(ProtocolError, match="temperature"):
-        codec.decode(msgpack.packb(frame))
+        codec.decode(msgpack.packb(frame), messages.MESSAGE_TYPES)
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -13,10 +13,10 @@ import zmq
 from garbage_frames import any_frames, huge_prefix_frames
 from hypothesis import given, settings
 
-from proto import codec, sockets
+from proto import codec, messages, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
-from proto.messages import WorkerReady
+from proto.messages import StepPlan, WorkerReady
 
 READERS = {
     "scheduler requests": sockets.REQUEST_MESSAGES,
@@ -52,7 +52,7 @@ def test_a_forged_huge_length_prefix_is_refused_without_allocating_it(frame: byt
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError):
-            codec.decode(frame)
+            codec.decode(frame, messages.MESSAGE_TYPES)
         _, peak_bytes = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -61,13 +61,13 @@ def test_a_forged_huge_length_prefix_is_refused_without_allocating_it(frame: byt
 
 def test_nesting_deeper_than_msgpack_allows_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError):
-        codec.decode(b"\x91" * 100_000 + b"\x00")
+        codec.decode(b"\x91" * 100_000 + b"\x00", messages.MESSAGE_TYPES)
 
 
 def test_a_message_of_another_channel_is_a_protocol_error_that_names_both() -> None:
     frame = codec.encode(WorkerReady(0, 8, 1))
     with pytest.raises(ProtocolError, match="WorkerReady does not belong on this channel.*StepPlan"):
-        codec.decode(frame, sockets.PLAN_MESSAGES)
+        codec.decode(frame, StepPlan)
 
 
 def test_a_reader_drops_a_frame_over_its_size_cap_and_still_takes_the_next() -> None:
@@ -81,7 +81,7 @@ def test_a_reader_drops_a_frame_over_its_size_cap_and_still_takes_the_next() -> 
         writer.close()
         writer = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.RESULTS)
         sockets.send(writer, WorkerReady(0, 8, 1))
-        assert codec.decode(sockets.recv_ready(reader, 5.0)) == WorkerReady(0, 8, 1)
+        assert codec.decode(sockets.recv_ready(reader, 5.0), WorkerReady) == WorkerReady(0, 8, 1)
     finally:
         context.destroy(linger=0)
         shutil.rmtree(runtime_dir, ignore_errors=True)

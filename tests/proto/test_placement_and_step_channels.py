@@ -12,6 +12,8 @@ import zmq
 from proto import codec, messages, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
+from proto.sampling import SamplingParams
+from proto.sampling_columns import SamplingColumns
 
 TWO_NODES = dict(tensor_parallel_size=4, nnodes=2, master_addr="10.0.0.5", master_port=4000,
                  insecure_transport=True)
@@ -53,7 +55,7 @@ def test_a_frame_crosses_an_insecure_tcp_step_channel_on_loopback() -> None:
         writer = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
         sent = messages.WorkerReady(rank=1, num_kv_blocks=9, pid=42)
         sockets.send(writer, sent)
-        assert codec.decode(sockets.recv_ready(reader, 5.0)) == sent
+        assert codec.decode(sockets.recv_ready(reader, 5.0), type(sent)) == sent
     finally:
         context.destroy(linger=0)
 
@@ -82,21 +84,18 @@ def test_each_node_starts_its_own_share_of_the_ranks() -> None:
 
 def test_step_result_rank_and_the_prompt_look_ahead_round_trip_and_are_checked() -> None:
     result = messages.StepResult(3, np.zeros(0, np.int32), "", rank=2)
-    assert codec.decode(codec.encode(result)).rank == 2
+    assert codec.decode(codec.encode(result), messages.StepResult).rank == 2
     with pytest.raises(ProtocolError, match="rank must be >= 0"):
-        codec.decode(codec.encode(dataclasses.replace(result, rank=-1)))
+        codec.decode(codec.encode(dataclasses.replace(result, rank=-1)), messages.StepResult)
+    sampling = dataclasses.replace(SamplingColumns.of_params([SamplingParams()]),
+                                   num_prompt_logprobs=np.array([2], np.int32),
+                                   next_prompt_token_ids=np.array([7], np.int32))
     plan = messages.StepPlan(
         step_id=1, request_ids=["a"], input_ids=np.array([5, 6], np.int32),
         num_computed_tokens=np.zeros(1, np.int32), num_scheduled_tokens=np.array([2], np.int32),
         cu_block_ids=np.array([0, 1], np.int32), block_ids=np.zeros(1, np.int32),
-        sample_mask=np.zeros(1, bool), temperature=np.zeros(1, np.float32),
-        top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), min_p=np.zeros(1, np.float32),
-        repetition_penalty=np.ones(1, np.float32), presence_penalty=np.zeros(1, np.float32),
-        frequency_penalty=np.zeros(1, np.float32), seeds=np.zeros(1, np.int64),
-        bias_rows=np.zeros(0, np.int32), bias_token_ids=np.zeros(0, np.int32),
-        bias_values=np.zeros(0, np.float32), cu_history=np.zeros(2, np.int32),
-        history_token_ids=np.zeros(0, np.int32), history_num_prompt=np.zeros(1, np.int32),
-        num_prompt_logprobs=np.array([2], np.int32), next_prompt_token_ids=np.array([7], np.int32))
-    assert codec.decode(codec.encode(plan)).next_prompt_token_ids.tolist() == [7]
+        sample_mask=np.zeros(1, bool), sampling=sampling)
+    assert codec.decode(codec.encode(plan), messages.StepPlan).sampling.next_prompt_token_ids.tolist() == [7]
+    bad = dataclasses.replace(sampling, next_prompt_token_ids=np.zeros(2, np.int32))
     with pytest.raises(ProtocolError, match="next_prompt_token_ids needs 0 or 1 entries"):
-        codec.decode(codec.encode(dataclasses.replace(plan, next_prompt_token_ids=np.zeros(2, np.int32))))
+        codec.decode(codec.encode(dataclasses.replace(plan, sampling=bad)), messages.StepPlan)

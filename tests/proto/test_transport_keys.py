@@ -82,7 +82,7 @@ def test_a_key_holder_gets_through_a_curve_step_channel(keys_dir: Path, context:
         reader = sockets.bind_channel(context, zmq.PULL, config, sockets.RESULTS, guard)
         writer = sockets.connect_channel(context, zmq.PUSH, config, sockets.RESULTS)
         sockets.send(writer, READY)
-        assert codec.decode(sockets.recv_ready(reader, 5.0)) == READY
+        assert codec.decode(sockets.recv_ready(reader, 5.0), type(READY)) == READY
         assert guard.num_refused == 0
     finally:
         guard.stop()

@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from proto import codec, sockets
-from proto.messages import AddRequest, StepOutputs, StepResult, WorkerReady
+from proto.messages import AddRequest, StepOutputs, StepPlan, StepResult, WorkerReady
 from proto.sampling import SamplingParams
 from scheduler_fakes import TEST_CONFIG, FakeWorker, OutputLog, choice_key
 from scheduler_proc.loop import SchedulerLoop
@@ -46,7 +46,7 @@ class WorkerThread:
             frame = sockets.recv_ready(self.plans, 0.05)
             if frame is None or not self.answers:
                 continue
-            plan = codec.decode(frame)
+            plan = codec.decode(frame, StepPlan)
             if self.rank:  # only rank 0 returns tokens; the others acknowledge the step
                 result = StepResult(plan.step_id, np.empty(0, np.int32), self.error, rank=self.rank)
             else:
@@ -83,7 +83,7 @@ class Frontend:
     def receive(self, timeout_s: float = 5.0) -> StepOutputs:
         frame = sockets.recv_ready(self.outputs, timeout_s)
         assert frame is not None, f"no output within {timeout_s} s"
-        outputs = codec.decode(frame)
+        outputs = codec.decode(frame, StepOutputs)
         self.log.record(outputs)
         return outputs
 

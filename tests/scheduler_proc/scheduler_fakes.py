@@ -13,6 +13,7 @@ from proto import codec
 from proto.config import EngineConfig
 from proto.messages import (ALL_CHOICES, EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
                             EVENT_SCHEDULED, AddRequest, StepOutputs, StepPlan, StepResult)
+from proto.logprobs import LogprobEntries
 from proto.sampling import SamplingParams
 from scheduler_proc.engine import SchedulerEngine
 
@@ -48,7 +49,7 @@ class FakeWorker:
         self.prompt_lengths[request_id] = len(prompt)
 
     def __call__(self, plan: StepPlan) -> StepResult:
-        plan = codec.decode(codec.encode(plan))  # the worker only ever sees the decoded plan
+        plan = codec.decode(codec.encode(plan), type(plan))  # the worker only ever sees the decoded plan
         self.plans.append(plan)
         if self.fail_next_step:
             error, self.fail_next_step = self.fail_next_step, ""
@@ -62,16 +63,16 @@ class FakeWorker:
             table = plan.block_ids[plan.cu_block_ids[row]:plan.cu_block_ids[row + 1]]
             chunk = plan.input_ids[offsets[row]:offsets[row + 1]]
             self.kv_slots[self._slots(table, start, end)] = chunk
-            if plan.num_prompt_logprobs[row] >= 0:
-                next_id = int(plan.next_prompt_token_ids[row])
+            if plan.sampling.num_prompt_logprobs[row] >= 0:
+                next_id = int(plan.sampling.next_prompt_token_ids[row])
                 targets = list(zip(range(start + 1, end), chunk[1:].tolist()))
                 targets += [(end, next_id)] if next_id >= 0 else []
-                entries += [(row, p, t, int(plan.num_prompt_logprobs[row])) for p, t in targets]
+                entries += [(row, p, t, int(plan.sampling.num_prompt_logprobs[row])) for p, t in targets]
             if plan.sample_mask[row]:
                 sampled.append(self._sample(plan, row, request_id, table, end))
-                if plan.num_logprobs[row] >= 0:
-                    entries.append((row, end, sampled[-1], int(plan.num_logprobs[row])))
-        return StepResult(plan.step_id, np.array(sampled, dtype=np.int32), "", **fake_logprobs(entries))
+                if plan.sampling.logprobs[row] >= 0:
+                    entries.append((row, end, sampled[-1], int(plan.sampling.logprobs[row])))
+        return StepResult(plan.step_id, np.array(sampled, dtype=np.int32), "", fake_logprobs(entries))
 
     def _slots(self, table: np.ndarray, start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
@@ -83,7 +84,8 @@ class FakeWorker:
         cached = self.kv_slots[self._slots(table, 0, end)]
         assert cached.tolist() == sequence[:end], f"KV of {request_id} corrupted before position {end}"
         token = self._scripted(request_id, end)
-        banned = plan.bias_token_ids[(plan.bias_rows == row) & np.isneginf(plan.bias_values)]
+        bias = plan.sampling.bias
+        banned = bias.token_ids[(bias.rows == row) & np.isneginf(bias.values)]
         if self.obeys_bias and token in banned.tolist():
             token = FILLER_TOKEN
         if end == len(sequence):  # a live member; a static batch's padding seat re-samples old positions
@@ -103,18 +105,18 @@ def fake_logprob(token_id: int, position: int) -> float:
     return -((token_id * 7 + position) % 13) / 4.0
 
 
-def fake_logprobs(entries: list[tuple[int, int, int, int]]) -> dict[str, np.ndarray]:
-    """StepResult lp_* fields for (row, position, token, num_top) entries; the top-k alternatives
+def fake_logprobs(entries: list[tuple[int, int, int, int]]) -> LogprobEntries:
+    """StepResult logprob entries for (row, position, token, num_top) entries; the top-k alternatives
     are token + 1 .. token + k."""
     num_top = [k for _, _, _, k in entries]
     top_ids = [t + 1 + j for _, _, t, k in entries for j in range(k)]
-    return {"lp_rows": np.array([e[0] for e in entries], np.int32),
-            "lp_positions": np.array([e[1] for e in entries], np.int32),
-            "lp_token_ids": np.array([e[2] for e in entries], np.int32),
-            "lp_logprobs": np.array([fake_logprob(t, p) for _, p, t, _ in entries], np.float32),
-            "lp_cu_top": np.concatenate([[0], np.cumsum(num_top)]).astype(np.int32),
-            "lp_top_token_ids": np.array(top_ids, np.int32),
-            "lp_top_logprobs": np.full(len(top_ids), -9.0, np.float32)}
+    return LogprobEntries(rows=np.array([e[0] for e in entries], np.int32),
+                          positions=np.array([e[1] for e in entries], np.int32),
+                          token_ids=np.array([e[2] for e in entries], np.int32),
+                          logprobs=np.array([fake_logprob(t, p) for _, p, t, _ in entries], np.float32),
+                          cu_top=np.concatenate([[0], np.cumsum(num_top)]).astype(np.int32),
+                          top_token_ids=np.array(top_ids, np.int32),
+                          top_logprobs=np.full(len(top_ids), -9.0, np.float32))
 
 
 def choice_key(request_id: str, choice_index: int) -> str:
@@ -138,7 +140,7 @@ class OutputLog:
         self.messages: list[StepOutputs] = []
 
     def record(self, outputs: StepOutputs) -> None:
-        outputs = codec.decode(codec.encode(outputs))
+        outputs = codec.decode(codec.encode(outputs), type(outputs))
         self.messages.append(outputs)
         assert len(outputs.choice_indices) == len(outputs.num_cached_tokens) == outputs.num_outputs
         keys = [choice_key(r, int(c)) for r, c in zip(outputs.request_ids, outputs.choice_indices)]
@@ -154,8 +156,8 @@ class OutputLog:
         self._record_logprobs(outputs, keys)
 
     def _record_events(self, outputs: StepOutputs) -> None:
-        for request_id, choice, kind in zip(outputs.event_request_ids, outputs.event_choice_indices.tolist(),
-                                            outputs.event_kinds.tolist()):
+        for request_id, choice, kind in zip(outputs.events.request_ids, outputs.events.choice_indices.tolist(),
+                                            outputs.events.kinds.tolist()):
             key = choice_key(request_id, choice)
             seen = self.events.setdefault(key, [])
             assert EVENT_FINISHED not in seen, f"{key} has an event after FINISHED"
@@ -166,12 +168,12 @@ class OutputLog:
             assert (kind == EVENT_FINISHED) == (key in self.finish_reasons and kind == EVENT_FINISHED)
 
     def _record_logprobs(self, outputs: StepOutputs, keys: list[str]) -> None:
-        cu_top = outputs.lp_cu_top.tolist()
-        for entry, row in enumerate(outputs.lp_rows.tolist()):
-            top = outputs.lp_top_token_ids[cu_top[entry]:cu_top[entry + 1]].tolist()
+        cu_top = outputs.logprobs.cu_top.tolist()
+        for entry, row in enumerate(outputs.logprobs.rows.tolist()):
+            top = outputs.logprobs.top_token_ids[cu_top[entry]:cu_top[entry + 1]].tolist()
             self.logprobs.setdefault(keys[row], []).append(
-                (int(outputs.lp_positions[entry]), int(outputs.lp_token_ids[entry]),
-                 float(outputs.lp_logprobs[entry]), top))
+                (int(outputs.logprobs.positions[entry]), int(outputs.logprobs.token_ids[entry]),
+                 float(outputs.logprobs.logprobs[entry]), top))
 
     def check_all_finished(self) -> None:
         """Every choice that was ever named has its terminal output and a FINISHED event."""

@@ -37,7 +37,7 @@ def test_choice_seeds_are_derived_from_the_request_seed_and_reproducible() -> No
         by_choice = {}
         for p in plans:
             for choice, row in rows_of(p, "a", 4).items():
-                by_choice.setdefault(choice, set()).add(int(p.seeds[row]))
+                by_choice.setdefault(choice, set()).add(int(p.sampling.seeds[row]))
         assert all(len(values) == 1 for values in by_choice.values())
         return [by_choice[i].pop() for i in range(4)]
 
@@ -144,4 +144,4 @@ def test_held_siblings_count_as_waiting() -> None:
     harness = Harness()
     harness.add("a", 30, max_tokens=2, n=4)
     outputs = harness.engine.heartbeat()
-    assert (outputs.num_running, outputs.num_waiting) == (0, 4)
+    assert (outputs.stats.num_running, outputs.stats.num_waiting) == (0, 4)

@@ -43,7 +43,7 @@ def test_plan_arrays_are_consistent_and_survive_the_codec() -> None:
     harness.add("chunked", 20, max_tokens=2, logit_bias=((7, -3.0),))
     harness.step()
     plan = harness.step()
-    decoded = codec.decode(codec.encode(plan))
+    decoded = codec.decode(codec.encode(plan), type(plan))
     for name, value in vars(plan).items():
         if isinstance(value, np.ndarray):
             np.testing.assert_array_equal(getattr(decoded, name), value, err_msg=name)
@@ -51,15 +51,15 @@ def test_plan_arrays_are_consistent_and_survive_the_codec() -> None:
     assert plan.num_scheduled_tokens.tolist() == [1, 1, 10]
     assert plan.num_computed_tokens.tolist() == [5, 6, 1]
     assert plan.sample_mask.tolist() == [True, True, False]
-    assert plan.top_k.tolist() == [0, 20, 0]
-    assert plan.seeds[0] == 1234
+    assert plan.sampling.top_k.tolist() == [0, 20, 0]
+    assert plan.sampling.seeds[0] == 1234
     chunked = harness.engine.get_request("chunked")
     np.testing.assert_array_equal(plan.input_ids[2:], chunked.token_ids[1:11])
     # Penalty history only for the penalised member, which samples this step.
-    assert np.diff(plan.cu_history).tolist() == [0, 7, 0]
-    assert plan.history_num_prompt.tolist() == [0, 6, 0]
+    assert np.diff(plan.sampling.history.cu).tolist() == [0, 7, 0]
+    assert plan.sampling.history.num_prompt.tolist() == [0, 6, 0]
     # chunked does not sample this step, so its logit_bias is not sent.
-    assert plan.bias_rows.tolist() == []
+    assert plan.sampling.bias.rows.tolist() == []
     for row, request_id in enumerate(plan.request_ids):
         table = plan.block_ids[plan.cu_block_ids[row]:plan.cu_block_ids[row + 1]]
         np.testing.assert_array_equal(table, harness.engine.get_request(request_id).block_ids)
@@ -73,7 +73,7 @@ def test_a_drawn_seed_is_63_bits_and_survives_preemption() -> None:
     assert 0 <= seed_c < 2**63
     plans = harness.run()
     assert harness.engine.stats().num_preemptions_total > 0
-    seeds_of_c = {int(p.seeds[p.request_ids.index("c")]) for p in plans if "c" in p.request_ids}
+    seeds_of_c = {int(p.sampling.seeds[p.request_ids.index("c")]) for p in plans if "c" in p.request_ids}
     assert seeds_of_c == {seed_c}
 
 
@@ -83,8 +83,8 @@ def test_step_outputs_carry_stats() -> None:
     harness.add("b", 4, max_tokens=3)
     harness.step()
     outputs = harness.log.messages[-1]
-    assert (outputs.num_running, outputs.num_waiting) == (1, 1)
-    assert outputs.kv_cache_usage == pytest.approx(0.2)
+    assert (outputs.stats.num_running, outputs.stats.num_waiting) == (1, 1)
+    assert outputs.stats.kv_cache_usage == pytest.approx(0.2)
     assert outputs.step_duration_s >= 0 and outputs.wall_time_s > 1.6e9
     assert outputs.step_id == 0 and outputs.num_scheduled_tokens == 8
 
@@ -93,7 +93,7 @@ def test_heartbeat_has_step_id_minus_one_and_current_stats() -> None:
     harness = Harness()
     harness.add("a", 4)
     beat = harness.engine.heartbeat()
-    assert beat.step_id == -1 and beat.num_outputs == 0 and beat.num_waiting == 1
+    assert beat.step_id == -1 and beat.num_outputs == 0 and beat.stats.num_waiting == 1
 
 
 def test_drain_outputs_is_none_when_there_is_nothing_to_report() -> None:

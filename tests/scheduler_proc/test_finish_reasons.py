@@ -41,9 +41,9 @@ def test_min_tokens_masks_stop_tokens_in_the_plan_until_enough_tokens_exist() ->
     assert harness.log.tokens["a"] == [FILLER_TOKEN, FILLER_TOKEN, EOS]
     assert harness.log.finish_reasons["a"] == "stop"
     first, _, third = harness.worker.plans
-    masked = dict(zip(first.bias_token_ids.tolist(), first.bias_values.tolist()))
+    masked = dict(zip(first.sampling.bias.token_ids.tolist(), first.sampling.bias.values.tolist()))
     assert masked == {42: float("-inf"), EOS: float("-inf"), 7: 1.0}
-    assert dict(zip(third.bias_token_ids.tolist(), third.bias_values.tolist())) == {42: 5.0, 7: 1.0}
+    assert dict(zip(third.sampling.bias.token_ids.tolist(), third.sampling.bias.values.tolist())) == {42: 5.0, 7: 1.0}
 
 
 def test_a_stop_token_the_worker_failed_to_mask_does_not_stop_before_min_tokens() -> None:
@@ -61,7 +61,7 @@ def test_a_duplicate_request_id_is_rejected_without_touching_the_live_request() 
     harness.engine.add(AddRequest("a", np.arange(4, dtype=np.int32), SamplingParams(max_tokens=3), 0.0))
     rejection = harness.engine.drain_outputs()
     assert rejection.finish_reasons == ["error"] and "already in use" in rejection.error_messages[0]
-    assert len(rejection.event_kinds) == 0  # the id's lifecycle events belong to the live request
+    assert len(rejection.events.kinds) == 0  # the id's lifecycle events belong to the live request
     harness.run()
     assert len(harness.log.tokens["a"]) == 3
 

@@ -17,8 +17,8 @@ def event_times(harness: Harness, key: str) -> list[tuple[int, float]]:
     request_id, _, choice = key.partition("#")
     found = []
     for message in harness.log.messages:
-        for rid, c, kind, t in zip(message.event_request_ids, message.event_choice_indices.tolist(),
-                                   message.event_kinds.tolist(), message.event_times_s.tolist()):
+        for rid, c, kind, t in zip(message.events.request_ids, message.events.choice_indices.tolist(),
+                                   message.events.kinds.tolist(), message.events.times_s.tolist()):
             if rid == request_id and c == int(choice or 0):
                 found.append((kind, t))
     return found
@@ -40,7 +40,7 @@ def test_steps_without_tokens_still_carry_their_events() -> None:
     harness.add("a", 10, max_tokens=3)
     harness.step()  # a prefill chunk: no token yet
     first = harness.log.messages[-1]
-    assert first.num_outputs == 0 and first.event_kinds.tolist() == [EVENT_QUEUED, EVENT_SCHEDULED]
+    assert first.num_outputs == 0 and first.events.kinds.tolist() == [EVENT_QUEUED, EVENT_SCHEDULED]
     assert first.num_scheduled_tokens == 4
 
 

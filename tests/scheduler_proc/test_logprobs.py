@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from proto.logprobs import LogprobEntries
 from proto.messages import StepResult
 from scheduler_fakes import Harness, fake_logprob
 
@@ -17,15 +18,15 @@ def test_the_plan_asks_for_logprobs_per_member_and_names_the_next_prompt_token()
     harness.add("plain", 3, max_tokens=3)
     plan = harness.step()
     assert plan.request_ids == ["sampled", "prompt"]
-    assert plan.num_logprobs.tolist() == [3, -1]
-    assert plan.num_prompt_logprobs.tolist() == [-1, 2]
-    assert plan.next_prompt_token_ids.tolist() == [-1, PROMPT[5]]  # its chunk is positions 0..4
+    assert plan.sampling.logprobs.tolist() == [3, -1]
+    assert plan.sampling.num_prompt_logprobs.tolist() == [-1, 2]
+    assert plan.sampling.next_prompt_token_ids.tolist() == [-1, PROMPT[5]]  # its chunk is positions 0..4
     plan = harness.step()
     assert plan.request_ids == ["sampled", "prompt", "plain"]
-    assert plan.num_prompt_logprobs.tolist() == [-1, 2, -1]
-    assert plan.next_prompt_token_ids.tolist() == [-1, -1, -1]  # the chunk ends the prompt
+    assert plan.sampling.num_prompt_logprobs.tolist() == [-1, 2, -1]
+    assert plan.sampling.next_prompt_token_ids.tolist() == [-1, -1, -1]  # the chunk ends the prompt
     harness.run()
-    assert all((p.num_prompt_logprobs == -1).all() for p in harness.worker.plans[2:])  # prompt done
+    assert all((p.sampling.num_prompt_logprobs == -1).all() for p in harness.worker.plans[2:])  # prompt done
 
 
 def test_sampled_token_logprobs_reach_the_outputs_at_their_positions() -> None:
@@ -48,7 +49,7 @@ def test_prompt_logprobs_cover_every_prompt_position_once_across_chunks() -> Non
     prompt_entries = [(p, t) for p, t, _, _ in entries if p < len(PROMPT)]
     assert prompt_entries == [(p, PROMPT[p]) for p in range(1, len(PROMPT))]
     assert [len(top) for _, _, _, top in entries] == [1] * 9 + [0, 0]
-    assert harness.log.messages[0].lp_rows.tolist() == [0, 0, 0]  # a chunk without a token still has a row
+    assert harness.log.messages[0].logprobs.rows.tolist() == [0, 0, 0]  # a chunk without a token still has a row
 
 
 def test_a_request_owing_prompt_logprobs_computes_its_whole_prompt_despite_the_cache() -> None:
@@ -89,9 +90,9 @@ def test_entries_for_members_outside_the_batch_fail_the_step() -> None:
     harness.add("a", 4, max_tokens=3, logprobs=1)
     plan = harness.engine.schedule()
     result = harness.worker(plan)
-    bad = StepResult(result.step_id, result.sampled_token_ids, "", lp_rows=np.array([3], np.int32),
-                     lp_positions=np.array([4], np.int32), lp_token_ids=np.array([1], np.int32),
-                     lp_logprobs=np.zeros(1, np.float32), lp_cu_top=np.zeros(2, np.int32))
+    bad = StepResult(result.step_id, result.sampled_token_ids, "", LogprobEntries(
+        rows=np.array([3], np.int32), positions=np.array([4], np.int32), token_ids=np.array([1], np.int32),
+        logprobs=np.zeros(1, np.float32), cu_top=np.zeros(2, np.int32)))
     harness.log.record(harness.engine.apply_result(bad))
     harness.engine.check_invariants()
     assert harness.log.finish_reasons == {"a": "error"}

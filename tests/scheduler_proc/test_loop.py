@@ -23,7 +23,7 @@ from scheduler_proc.loop import SchedulerLoop
 
 def test_loop_serves_two_requests_and_survives_garbage_frames() -> None:
     with running_loop() as (loop, frontend, control):
-        ready = codec.decode(sockets.recv_ready(control, 5.0))
+        ready = codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES)
         assert isinstance(ready, ProcessReady) and ready.detail == f"{NUM_BLOCKS} KV blocks"
         frontend.add("a", 6, max_tokens=4)
         frontend.add("b", 3, max_tokens=2)
@@ -35,14 +35,14 @@ def test_loop_serves_two_requests_and_survives_garbage_frames() -> None:
         frontend.add("c", 2, max_tokens=2)
         frontend.wait_finished("c")
         assert loop.num_protocol_errors == 3  # garbage request, garbage result, stale result
-        assert frontend.log.messages[-1].num_protocol_errors_total == 3
+        assert frontend.log.messages[-1].stats.num_protocol_errors_total == 3
         assert frontend.log.tokens["c"] == frontend.worker.fake.sequences["c"][2:]
 
 
 def test_idle_loop_sends_heartbeats_with_stats() -> None:
     with running_loop() as (_, frontend, _control):
         beat = frontend.receive(timeout_s=3.0)
-        assert beat.step_id == -1 and beat.num_outputs == 0 and beat.num_running == 0
+        assert beat.step_id == -1 and beat.num_outputs == 0 and beat.stats.num_running == 0
 
 
 def test_abort_over_the_wire_ends_a_waiting_request() -> None:
@@ -67,9 +67,9 @@ def test_abort_of_one_choice_over_the_wire_ends_only_that_choice() -> None:
 def test_a_rank_that_does_not_answer_is_named_for_restart_and_without_a_new_group_the_loop_stops() -> None:
     with running_loop(silent_ranks=(1,), tensor_parallel_size=2, step_timeout_s=0.3, ready_timeout_s=1.0) as (
             loop, frontend, control):
-        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), ProcessReady)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
         frontend.add("a", 4, max_tokens=3)
-        restart = codec.decode(sockets.recv_ready(control, 5.0))
+        restart = codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES)
         assert isinstance(restart, RestartWorkers) and restart.ranks.tolist() == [1]
         assert "worker rank 1 did not answer step" in restart.reason and "--step-timeout" in restart.reason
         frontend.wait_finished("a")  # nobody replaced the group within --ready-timeout
@@ -79,21 +79,21 @@ def test_a_rank_that_does_not_answer_is_named_for_restart_and_without_a_new_grou
         # its last outputs tell the frontend the engine is going away (/health must not recover)
         assert frontend.log.messages[-1].engine_stopping
         assert not any(m.engine_stopping for m in frontend.log.messages[:-1])
-        failed = codec.decode(sockets.recv_ready(control, 5.0))
+        failed = codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES)
         assert isinstance(failed, ProcessFailed) and "did not report ready" in failed.message
 
 
 def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> None:
     with running_loop(silent_ranks=(0,), step_timeout_s=0.3, ready_timeout_s=10.0) as (
             loop, frontend, control):
-        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), ProcessReady)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
         frontend.add("a", 4, max_tokens=3)
-        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), RestartWorkers)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), RestartWorkers)
         lost = frontend.receive(timeout_s=3.0)
-        while lost.num_worker_restarts_total == 0:  # heartbeats from before the fault
+        while lost.stats.num_worker_restarts_total == 0:  # heartbeats from before the fault
             lost = frontend.receive(timeout_s=3.0)
-        assert not lost.workers_serving and lost.num_requests_recovered_total == 1
-        assert lost.num_worker_restarts_total == 1 and lost.num_running == 0 and lost.num_waiting == 1
+        assert not lost.stats.workers_serving and lost.stats.num_requests_recovered_total == 1
+        assert lost.stats.num_worker_restarts_total == 1 and lost.stats.num_running == 0 and lost.stats.num_waiting == 1
         frontend.worker.close()  # the supervisor kills a hung rank: it never reconnects
         replacement = WorkerThread(frontend.requests.context, loop.config.runtime_dir, rank=0,
                                    expected=frontend.worker.fake)
@@ -102,7 +102,7 @@ def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> No
         finally:
             replacement.close()
         assert frontend.log.finish_reasons["a"] == "length" and len(frontend.log.tokens["a"]) == 3
-        assert frontend.log.messages[-1].workers_serving and loop.num_worker_restarts == 1
+        assert frontend.log.messages[-1].stats.workers_serving and loop.num_worker_restarts == 1
         assert loop.num_protocol_errors == 0
 
 
@@ -126,7 +126,7 @@ def test_missing_worker_ranks_are_named_in_process_failed() -> None:
         thread.start()
         worker = WorkerThread(context, runtime_dir, rank=0)
         thread.join(timeout=5)
-        failed = codec.decode(sockets.recv_ready(control, 2.0))
+        failed = codec.decode(sockets.recv_ready(control, 2.0), sockets.CONTROL_MESSAGES)
         assert result == [1]
         assert isinstance(failed, ProcessFailed) and "[1]" in failed.message and "0.5 s" in failed.message
         worker.close()
@@ -146,7 +146,7 @@ def test_scheduler_process_starts_serves_and_exits_on_sigterm() -> None:
     worker = WorkerThread(context, runtime_dir)
     frontend = Frontend(context, runtime_dir, worker)
     try:
-        ready = codec.decode(sockets.recv_ready(control, 10.0))
+        ready = codec.decode(sockets.recv_ready(control, 10.0), sockets.CONTROL_MESSAGES)
         assert isinstance(ready, ProcessReady) and ready.pid == process.pid
         frontend.add("a", 5, max_tokens=3)
         frontend.wait_finished("a")

@@ -18,7 +18,7 @@ PROMPT_LEN = 3
 
 def test_garbage_on_the_requests_and_results_sockets_is_counted_and_the_next_request_is_served() -> None:
     with running_loop() as (loop, frontend, control):
-        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0)), ProcessReady)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
         request_numbers = itertools.count()
 
         @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,5 +37,5 @@ def test_garbage_on_the_requests_and_results_sockets_is_counted_and_the_next_req
             assert loop.num_protocol_errors == before + len(requests_noise) + len(results_noise)
 
         check()
-        assert frontend.log.messages[-1].num_protocol_errors_total == loop.num_protocol_errors
+        assert frontend.log.messages[-1].stats.num_protocol_errors_total == loop.num_protocol_errors
     loop.engine.check_invariants()

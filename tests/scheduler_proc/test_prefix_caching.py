@@ -28,7 +28,7 @@ def test_a_request_sharing_a_computed_prefix_computes_only_the_rest() -> None:
     assert first_row(plans, "second") == (16, 2)
     assert harness.log.num_cached_tokens == {"first": 0, "second": 16}
     last = harness.log.messages[-1]
-    assert (last.prefix_cache_queries_total, last.prefix_cache_hits_total) == (19 + 18, 16)
+    assert (last.stats.prefix_cache_queries_total, last.stats.prefix_cache_hits_total) == (19 + 18, 16)
 
 
 def test_hits_do_not_change_the_tokens() -> None:
@@ -74,7 +74,7 @@ def test_a_preempted_request_gets_its_surviving_blocks_back_from_the_cache() -> 
     preempted_at = next(i for i, p in enumerate(plans) if "a" in p.request_ids and "b" not in p.request_ids)
     assert first_row(plans[preempted_at:], "b") == (8, 1)
     assert harness.log.num_cached_tokens["b"] == 0  # its first scheduling found nothing
-    assert harness.log.messages[-1].prefix_cache_hits_total == 8
+    assert harness.log.messages[-1].stats.prefix_cache_hits_total == 8
     relaxed = Harness()
     relaxed.add("a", [1] * 7, max_tokens=6)
     relaxed.add("b", [2] * 7, max_tokens=10)
@@ -89,7 +89,7 @@ def test_without_prefix_caching_a_preempted_request_recomputes_from_the_start() 
     plans = harness.run()
     preempted_at = next(i for i, p in enumerate(plans) if "a" in p.request_ids and "b" not in p.request_ids)
     assert first_row(plans[preempted_at:], "b") == (0, 9)
-    assert harness.log.messages[-1].prefix_cache_queries_total == 0
+    assert harness.log.messages[-1].stats.prefix_cache_queries_total == 0
 
 
 def test_an_idle_engine_holds_no_blocks_but_keeps_them_cached() -> None:
@@ -101,7 +101,7 @@ def test_an_idle_engine_holds_no_blocks_but_keeps_them_cached() -> None:
     assert manager.usage == 0.0 and manager.num_free_blocks == 16
     assert manager.pool.num_cached > 0
     assert all(manager.pool.ref_count(b) == 0 for b in range(16))
-    assert harness.log.messages[-1].kv_cache_usage == 0.0
+    assert harness.log.messages[-1].stats.kv_cache_usage == 0.0
 
 
 def test_generated_tokens_are_cached_too() -> None:

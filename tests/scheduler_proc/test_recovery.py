@@ -44,7 +44,7 @@ def test_outputs_after_a_lost_group_equal_an_undisturbed_run(lost_after: int) ->
     outputs = harness.engine.recover_lost_step()
     harness.log.record(outputs)
     harness.engine.check_invariants()
-    assert outputs.num_running == 0 and outputs.num_requests_recovered_total == running
+    assert outputs.stats.num_running == 0 and outputs.stats.num_requests_recovered_total == running
     assert harness.engine.block_manager.num_free_blocks == 24
     assert harness.engine.block_manager.pool.num_cached == 0  # the lost cache's blocks are gone
     harness.worker = fresh_worker(harness.worker, harness, 24)

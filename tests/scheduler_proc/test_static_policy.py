@@ -22,7 +22,7 @@ def test_static_batch_keeps_finished_seats_and_still_computes_them() -> None:
         row = plan.request_ids.index("short")
         assert int(plan.num_scheduled_tokens[row]) == 1 and bool(plan.sample_mask[row])
     assert harness.engine.num_padded_seat_steps_total == 4  # late runs alone: no padding
-    assert harness.log.messages[-1].num_padded_slot_steps_total == 4
+    assert harness.log.messages[-1].stats.num_padded_slot_steps_total == 4
     assert all(p.request_ids == ["late"] for p in plans[6:])
     assert harness.log.tokens["short"] == harness.worker.sequences["short"][5:]
     assert len(harness.log.tokens["short"]) == 2

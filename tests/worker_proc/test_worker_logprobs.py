@@ -42,20 +42,21 @@ def hf_logprobs(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 def asking(plan: StepPlan, num_logprobs: list[int], num_prompt_logprobs: list[int],
            next_prompt_token_ids: list[int] | None = None) -> StepPlan:
     nexts = next_prompt_token_ids if next_prompt_token_ids is not None else [-1] * plan.num_seqs
-    return dataclasses.replace(plan, num_logprobs=np.array(num_logprobs, dtype=np.int32),
-                               num_prompt_logprobs=np.array(num_prompt_logprobs, dtype=np.int32),
-                               next_prompt_token_ids=np.array(nexts, dtype=np.int32))
+    sampling = dataclasses.replace(plan.sampling, logprobs=np.array(num_logprobs, dtype=np.int32),
+                                   num_prompt_logprobs=np.array(num_prompt_logprobs, dtype=np.int32),
+                                   next_prompt_token_ids=np.array(nexts, dtype=np.int32))
+    return dataclasses.replace(plan, sampling=sampling)
 
 
 def entries_of(result: StepResult) -> list[tuple[int, int, int, float, list[int], list[float]]]:
     """(row, position, token, logprob, top ids, top logprobs) per entry, after a codec round trip."""
-    result = codec.decode(codec.encode(result))
+    result = codec.decode(codec.encode(result), type(result))
     out = []
-    for e in range(len(result.lp_rows)):
-        top = slice(result.lp_cu_top[e], result.lp_cu_top[e + 1])
-        out.append((int(result.lp_rows[e]), int(result.lp_positions[e]), int(result.lp_token_ids[e]),
-                    float(result.lp_logprobs[e]), result.lp_top_token_ids[top].tolist(),
-                    result.lp_top_logprobs[top].tolist()))
+    for e in range(len(result.logprobs.rows)):
+        top = slice(result.logprobs.cu_top[e], result.logprobs.cu_top[e + 1])
+        out.append((int(result.logprobs.rows[e]), int(result.logprobs.positions[e]), int(result.logprobs.token_ids[e]),
+                    float(result.logprobs.logprobs[e]), result.logprobs.top_token_ids[top].tolist(),
+                    result.logprobs.top_logprobs[top].tolist()))
     return out
 
 
@@ -118,7 +119,7 @@ def test_prompt_logprobs_cover_every_position_once_across_chunked_prefill(
 def test_plans_without_logprob_fields_produce_no_entries(runner: ModelRunner) -> None:
     plan = make_plan([Seq("a", [5, 6, 7]), Seq("b", [8, 9])], [3, 2], BlockPool(128, block_size=4))
     result = runner.execute(plan)
-    assert len(result.lp_rows) == 0 and result.lp_cu_top.tolist() == [0]
+    assert len(result.logprobs.rows) == 0 and result.logprobs.cu_top.tolist() == [0]
     assert result.sampled_token_ids.shape == (2,)
 
 

@@ -15,7 +15,7 @@ from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import ProcessFailed, ProcessReady, StepResult, WorkerReady
+from proto.messages import MESSAGE_TYPES, ProcessFailed, ProcessReady, StepResult, WorkerReady
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0
@@ -33,7 +33,7 @@ class SchedulerSide:
     def receive(self, sock: zmq.Socket) -> object:
         frame = sockets.recv_ready(sock, TIMEOUT_S)
         assert frame is not None, "the worker sent nothing in time"
-        return codec.decode(frame)
+        return codec.decode(frame, MESSAGE_TYPES)  # results and control frames alike
 
 
 @pytest.fixture

@@ -33,9 +33,11 @@ def mixed_plans() -> list[StepPlan]:
 
 def logprob_plan() -> StepPlan:
     """The first plan again (same KV: harmless), now asking for sampled and prompt logprobs."""
-    return dataclasses.replace(mixed_plans()[0], num_logprobs=np.array([2, 2], dtype=np.int32),
-                               num_prompt_logprobs=np.array([3, -1], dtype=np.int32),
-                               next_prompt_token_ids=np.array([-1, -1], dtype=np.int32))
+    plan = mixed_plans()[0]
+    sampling = dataclasses.replace(plan.sampling, logprobs=np.array([2, 2], dtype=np.int32),
+                                   num_prompt_logprobs=np.array([3, -1], dtype=np.int32),
+                                   next_prompt_token_ids=np.array([-1, -1], dtype=np.int32))
+    return dataclasses.replace(plan, sampling=sampling)
 
 
 def run_rank(config: EngineConfig, rank: int, results: mp.Queue) -> None:
@@ -74,13 +76,13 @@ def assert_ranks_match_single(model_dir: Path, runtime_dir: Path) -> None:
         assert result.rank == rank and result.error == ""
     got = outputs[0][1]  # only rank 0 samples and reports logprobs; the others acknowledge
     assert got.sampled_token_ids.tolist() == want.sampled_token_ids.tolist()
-    for name in ("lp_rows", "lp_positions", "lp_token_ids", "lp_cu_top", "lp_top_token_ids"):
-        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
-    np.testing.assert_allclose(got.lp_logprobs, want.lp_logprobs, atol=1e-4)
-    np.testing.assert_allclose(got.lp_top_logprobs, want.lp_top_logprobs, atol=1e-4)
-    assert len(got.lp_rows) == 6 + 1  # prompt positions 1..6 of "a", then its sampled token
+    for name in ("rows", "positions", "token_ids", "cu_top", "top_token_ids"):
+        assert getattr(got.logprobs, name).tolist() == getattr(want.logprobs, name).tolist(), name
+    np.testing.assert_allclose(got.logprobs.logprobs, want.logprobs.logprobs, atol=1e-4)
+    np.testing.assert_allclose(got.logprobs.top_logprobs, want.logprobs.top_logprobs, atol=1e-4)
+    assert len(got.logprobs.rows) == 6 + 1  # prompt positions 1..6 of "a", then its sampled token
     other = outputs[1][1]
-    assert len(other.sampled_token_ids) == 0 and len(other.lp_rows) == 0
+    assert len(other.sampled_token_ids) == 0 and len(other.logprobs.rows) == 0
 
 
 def test_two_ranks_reproduce_the_single_rank_forward(tiny_model_dir: Path, tmp_path: Path) -> None:

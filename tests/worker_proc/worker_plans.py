@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from proto.config import EngineConfig
 from proto.messages import StepPlan, StepResult
+from proto.sampling import SamplingParams
+from proto.sampling_columns import LogitBias, PenaltyHistory, SamplingColumns
 
 
-@dataclass
 class Seq:
-    """One request as the scheduler sees it: its known tokens, KV blocks and sampling params."""
+    """One request as the scheduler sees it: its known tokens, KV blocks and sampling params
+    (any SamplingParams field; greedy by default). logit_bias takes any value, -inf included,
+    as the scheduler's min_tokens masks do."""
 
-    request_id: str
-    token_ids: list[int]  # prompt + generated so far
-    num_prompt: int = -1  # -1 = every current token is prompt
-    num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = 0
-    logit_bias: list[tuple[int, float]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.num_prompt < 0:
-            self.num_prompt = len(self.token_ids)
-
-    @property
-    def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+    def __init__(self, request_id: str, token_ids: list[int], num_prompt: int = -1, num_computed: int = 0,
+                 block_ids: list[int] | None = None, logit_bias: list[tuple[int, float]] = (),
+                 **sampling: object) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids  # prompt + generated so far
+        self.num_prompt = len(token_ids) if num_prompt < 0 else num_prompt  # -1: every current token
+        self.num_computed = num_computed
+        self.block_ids = block_ids if block_ids is not None else []
+        self.logit_bias = list(logit_bias)
+        self.params = SamplingParams(**{"temperature": 0.0, "seed": 0, **sampling})
 
 
 class BlockPool:
@@ -64,37 +52,27 @@ def make_plan(seqs: list[Seq], num_scheduled: list[int], pool: BlockPool, step_i
         block_ids += seq.block_ids
         cu_blocks.append(len(block_ids))
         sample_mask.append(end == len(seq.token_ids))
-        if seq.has_penalties:
+        if seq.params.has_penalties:
             history += seq.token_ids
         cu_history.append(len(history))
         for token_id, value in seq.logit_bias:
             bias[0].append(row)
             bias[1].append(token_id)
             bias[2].append(value)
-
-    def per_seq(name: str, dtype: type) -> np.ndarray:
-        return np.array([getattr(s, name) for s in seqs], dtype=dtype)
-
+    rows = np.array([SamplingColumns.param_row(s.params) for s in seqs], dtype=np.float64)
+    sampling = SamplingColumns.from_rows(
+        rows, np.array([s.params.seed for s in seqs], dtype=np.int64),
+        LogitBias(np.array(bias[0], dtype=np.int32), np.array(bias[1], dtype=np.int32),
+                  np.array(bias[2], dtype=np.float32)),
+        PenaltyHistory(np.array(cu_history, dtype=np.int32), np.array(history, dtype=np.int32),
+                       np.array([s.num_prompt if s.params.has_penalties else 0 for s in seqs], dtype=np.int32)))
     return StepPlan(
         step_id=step_id, request_ids=[s.request_id for s in seqs],
         input_ids=np.array(input_ids, dtype=np.int32),
-        num_computed_tokens=per_seq("num_computed", np.int32),
+        num_computed_tokens=np.array([s.num_computed for s in seqs], dtype=np.int32),
         num_scheduled_tokens=np.array(num_scheduled, dtype=np.int32),
         cu_block_ids=np.array(cu_blocks, dtype=np.int32), block_ids=np.array(block_ids, dtype=np.int32),
-        sample_mask=np.array(sample_mask, dtype=np.bool_),
-        temperature=per_seq("temperature", np.float32), top_p=per_seq("top_p", np.float32),
-        top_k=per_seq("top_k", np.int32), min_p=per_seq("min_p", np.float32),
-        repetition_penalty=per_seq("repetition_penalty", np.float32),
-        presence_penalty=per_seq("presence_penalty", np.float32),
-        frequency_penalty=per_seq("frequency_penalty", np.float32),
-        seeds=per_seq("seed", np.int64),
-        bias_rows=np.array(bias[0], dtype=np.int32), bias_token_ids=np.array(bias[1], dtype=np.int32),
-        bias_values=np.array(bias[2], dtype=np.float32),
-        cu_history=np.array(cu_history, dtype=np.int32),
-        history_token_ids=np.array(history, dtype=np.int32),
-        history_num_prompt=np.array([s.num_prompt if s.has_penalties else 0 for s in seqs],
-                                    dtype=np.int32),
-    )
+        sample_mask=np.array(sample_mask, dtype=np.bool_), sampling=sampling)
 
 
 def advance(seqs: list[Seq], num_scheduled: list[int], plan: StepPlan, result: StepResult) -> None:
