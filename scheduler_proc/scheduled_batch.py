@@ -12,6 +12,7 @@ class ScheduledBatch:
 
     A padding member is a static batch's finished seat: it re-feeds its last computed token at
     its own position (same KV slot, same value) and its sampled token is discarded.
+    The batch only reads its members; the policy and engine move them.
     """
 
     def __init__(self) -> None:
@@ -54,10 +55,11 @@ class ScheduledBatch:
         self.single_token_ids.append(request.last_token_id)
         self.num_tokens += 1
 
-    def add_first(self, request: Request, num_computed_tokens: int, num_scheduled_tokens: int) -> None:
-        """Add a sequence that was just given blocks (new or preempted); notes a first scheduling."""
-        if not request.was_scheduled:
-            request.was_scheduled = True
+    def add_first(self, request: Request, num_computed_tokens: int, num_scheduled_tokens: int,
+                  newly_scheduled: bool) -> None:
+        """Add a sequence that was just given blocks (new or preempted); newly_scheduled: this is
+        its first scheduling ever (Request.start said so)."""
+        if newly_scheduled:
             self.newly_scheduled.append(request)
         self.add(request, num_computed_tokens, num_scheduled_tokens)
 
