@@ -226,29 +226,27 @@ class SchedulerEngine:
         assert self.constants.num_live == len(live), "plan rows and live sequences differ"
         for request in live.values():
             assert not request.is_finished and 0 <= request.num_computed_tokens <= request.num_tokens
-            leader = request.leader
             if request.status is RequestStatus.HELD:
+                leader = request.leader
                 assert leader is not None and request in leader.held_siblings and not leader.is_finished
 
     def _advance(self, batch: ScheduledBatch, result: StepResult, now: float) -> None:
         """Apply one successful step (the hot loop: keep it O(batch) and lean). Per member: count
         its progress and take its sampled token (Request.advance), share what it computed
         (_share_computed), and queue its output (_emit); then forward the step's logprobs."""
-        # int32 [num_seqs]: each member's output row, to re-index logprob entries (only if any)
-        member_rows = np.full(len(batch), -1, dtype=np.int32) if len(result.lp_rows) else None
-        finished, with_logprobs = RequestStatus.FINISHED, member_rows is not None
-        members = zip(batch.requests, batch.num_scheduled_tokens, _member_token_ids(batch, result))
-        for row, (request, num_scheduled, token_id) in enumerate(members):
-            if request.status is finished:
-                continue  # a static batch's finished seat, or aborted while the step ran
+        with_logprobs, finished = len(result.lp_rows) > 0, RequestStatus.FINISHED
+        member_rows: list[int] = []  # per member: its output row (-1 = none), to re-index logprobs
+        members = zip(batch.requests, batch.num_scheduled_tokens, batch.member_token_ids(result.sampled_token_ids))
+        for request, num_scheduled, token_id in members:
+            if request.status is finished:  # a static batch's finished seat, or aborted while the step ran
+                member_rows.append(-1)
+                continue
             request.advance(num_scheduled, token_id)
             self._share_computed(request)
-            out_row = self._emit(request, token_id, now, with_logprobs)
-            if with_logprobs:
-                member_rows[row] = out_row
+            member_rows.append(self._emit(request, token_id, now, with_logprobs))
         if with_logprobs:
-            entries = forward_entries(result, batch.requests, member_rows, batch.prompt_logprob_rows)
-            self._outputs.add_logprobs(entries)
+            rows = np.array(member_rows, dtype=np.int32)  # int32 [num_seqs]
+            self._outputs.add_logprobs(forward_entries(result, batch.requests, rows, batch.prompt_logprob_rows))
 
     def _share_computed(self, request: Request) -> None:
         """Publish its newly full, computed blocks in the prefix cache, and queue its held
@@ -303,12 +301,3 @@ class SchedulerEngine:
         self.constants.release(request)
         return self._outputs.add(request, token_id, reason, error_message, now)
 
-
-def _member_token_ids(batch: ScheduledBatch, result: StepResult) -> list[int]:
-    """The token each member sampled, in batch order; -1 for a member that did not sample."""
-    sampled = result.sampled_token_ids  # int32 [num_sampled]
-    if len(sampled) == len(batch):  # every member sampled: the common decode step
-        return sampled.tolist()
-    token_ids = np.full(len(batch), -1, dtype=np.int32)  # int32 [num_seqs]
-    token_ids[np.array(batch.sample, dtype=np.bool_)] = sampled
-    return token_ids.tolist()

@@ -3,6 +3,8 @@ turned into the plan's arrays in one go."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from scheduler_proc.request import Request
 
 
@@ -29,6 +31,15 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def member_token_ids(self, sampled_token_ids: np.ndarray) -> list[int]:
+        """The token each member sampled (int32 [num_sampled] in batch order), per member; -1 for
+        a member that does not sample."""
+        if len(sampled_token_ids) == len(self.requests):  # every member sampled: the common decode step
+            return sampled_token_ids.tolist()
+        token_ids = np.full(len(self.requests), -1, dtype=np.int32)  # int32 [num_seqs]
+        token_ids[np.array(self.sample, dtype=np.bool_)] = sampled_token_ids
+        return token_ids.tolist()
 
     def add(self, request: Request, num_computed_tokens: int, num_scheduled_tokens: int) -> None:
         row = len(self.requests)
