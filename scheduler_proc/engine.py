@@ -42,9 +42,10 @@ class _InFlightStep:
 
 
 class SchedulerEngine:
-    """Owns request lifecycle (waiting -> running -> finished; running -> waiting on preemption;
-    held -> waiting for sibling choices) and the KV block accounting. Plain synchronous code:
-    the loop feeds it messages.
+    """Owns the live requests and the step in flight, and drives each request's lifecycle
+    (waiting -> running -> finished; running -> waiting on preemption; held -> waiting for
+    sibling choices) through the queues, the policy, the block manager and the Request's own
+    transitions. Plain synchronous code: the loop feeds it messages.
 
     Invariant: every choice of every request added gets exactly one output with a non-empty
     finish reason (and a FINISHED event), after which the engine forgets it. Finished sequences
@@ -130,9 +131,8 @@ class SchedulerEngine:
         now = time.time()
         for request in batch.newly_scheduled:
             self._outputs.add_event(request.request_id, request.choice_index, EVENT_SCHEDULED, now)
-        for victim in self.queues.preempted:
+        for victim in self.queues.take_preempted():
             self._outputs.add_event(victim.request_id, victim.choice_index, EVENT_PREEMPTED, now)
-        self.queues.preempted.clear()
         if not batch:
             return None
         plan = build_plan(self._next_step_id, batch, self.constants)
@@ -232,8 +232,8 @@ class SchedulerEngine:
 
     def _advance(self, batch: ScheduledBatch, result: StepResult, now: float) -> None:
         """Apply one successful step (the hot loop: keep it O(batch) and lean). Per member: count
-        its progress and take its sampled token (Request.advance), share what it computed
-        (_share_computed), and queue its output (_emit); then forward the step's logprobs."""
+        its progress and take its token (Request.advance), share what it computed, queue its
+        output; then forward the step's logprobs."""
         with_logprobs, finished = len(result.lp_rows) > 0, RequestStatus.FINISHED
         member_rows: list[int] = []  # per member: its output row (-1 = none), to re-index logprobs
         members = zip(batch.requests, batch.num_scheduled_tokens, batch.member_token_ids(result.sampled_token_ids))
@@ -259,9 +259,8 @@ class SchedulerEngine:
             self.queues.release_held(request)
 
     def _emit(self, request: Request, token_id: int, now: float, with_logprobs: bool) -> int:
-        """Queue a running member's output for this step: its new token, or its terminal output
-        when the stop rule ends it; a prefill chunk (token_id -1) gets a row only to carry prompt
-        logprobs. The output row, or -1 for none."""
+        """Queue a running member's output row (-1 = none): its new token, or its terminal output
+        when the stop rule ends it; a prefill chunk (token_id -1) has one only for prompt logprobs."""
         if token_id < 0:
             return self._outputs.add(request) if with_logprobs else -1
         if request.num_tokens == request.num_prompt_tokens + 1:

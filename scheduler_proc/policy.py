@@ -75,7 +75,7 @@ class ContinuousPolicy:
 
     def release(self, request: Request) -> None:
         """A running sequence finished: free its seat and blocks at once."""
-        self.queues.running.remove(request)
+        self.queues.remove_running(request)
         self.block_manager.free(request)
 
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
@@ -155,7 +155,7 @@ class StaticPolicy:
 
     def release(self, request: Request) -> None:
         """A member finished: it keeps its seat and blocks until the whole batch has finished."""
-        self.queues.running.remove(request)
+        self.queues.remove_running(request)
         if not self.queues.running:
             for seat in self.seats:
                 self.block_manager.free(seat)

@@ -24,7 +24,7 @@ class RequestQueues:
         self.num_held = 0
         self.num_waiting_tokens = 0
         self.num_preemptions_total = 0
-        self.preempted: list[Request] = []  # victims not yet reported (the engine drains this)
+        self._preempted: list[Request] = []  # victims not yet reported (take_preempted)
         self._num_admissions = 0
 
     def add(self, choices: list[Request]) -> None:
@@ -53,7 +53,7 @@ class RequestQueues:
         self.num_waiting_tokens += victim.num_tokens
         if counted:
             self.num_preemptions_total += 1
-            self.preempted.append(victim)
+            self._preempted.append(victim)
         return victim
 
     def release_held(self, leader: Request) -> None:
@@ -63,6 +63,15 @@ class RequestQueues:
             self.waiting.appendleft(sibling)
             self.num_waiting_tokens += sibling.num_tokens
         self.num_held -= len(siblings)
+
+    def take_preempted(self) -> list[Request]:
+        """The sequences preempted for lack of blocks since the last call, in preemption order."""
+        preempted, self._preempted = self._preempted, []
+        return preempted
+
+    def remove_running(self, request: Request) -> None:
+        """Take a running sequence out of the running set (it finished)."""
+        self.running.remove(request)
 
     def remove_waiting(self, request: Request) -> None:
         """Take a waiting sequence out of the queue (it finished before it was admitted)."""
