@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from scheduler_proc.block_pool import BlockPool, extend_block_keys
+from scheduler_proc.block_pool import BlockPool
 from scheduler_proc.request import Request, RequestStatus
 
 
@@ -27,6 +27,8 @@ class BlockManager:
 
     Invariant (check_invariants): each block's reference count equals the number of tables that
     hold it; a block held by no table is free (possibly cached); the pool's own invariants hold.
+    Ownership: it decides which blocks a sequence holds and which are cached; the sequence's
+    table itself is written through Request.add_blocks / mark_blocks_cached / drop_blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -60,14 +62,13 @@ class BlockManager:
         a sibling choice forks choice 0's computed prompt blocks. Either way at least one token
         is left to compute, so the step that finishes the prefill has logits to sample from.
         """
-        assert len(request.block_table) == 0, f"{request} already holds blocks"
+        assert len(request.block_ids) == 0, f"{request} already holds blocks"
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.enable_prefix_caching:
             if not request.may_read_prefix_cache or max_blocks == 0:
                 return []
-            extend_block_keys(request.block_keys, request.token_ids, max_blocks, self.block_size)
             block_ids = []
-            for key in request.block_keys[:max_blocks]:
+            for key in request.compute_block_keys(max_blocks, self.block_size)[:max_blocks]:
                 block_id = self.pool.lookup(key)
                 if block_id is None:
                     break
@@ -83,36 +84,32 @@ class BlockManager:
     def allocate(self, request: Request, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         """Grow the table to hold `num_tokens` tokens in total, first taking the shared `prefix`
         blocks (from computed_prefix, only for an empty table); all or nothing."""
-        table = request.block_table
-        num_new = self.blocks_for_tokens(num_tokens) - len(table) - len(prefix)
+        num_new = self.blocks_for_tokens(num_tokens) - len(request.block_ids) - len(prefix)
         if not prefix:
             if num_new <= 0:
                 return True
             if num_new > self.pool.num_free:
                 return False
+            request.add_blocks(self.pool.take(num_new))
         else:
             num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
             if max(num_new, 0) + num_revived > self.pool.num_free:
                 return False
             self.pool.share(list(prefix))
-            table.extend(prefix)
-            if self.enable_prefix_caching:
-                request.num_cached_blocks = len(prefix)
-        if num_new > 0:
-            table.extend(self.pool.take(num_new))
-        self._table_changed(request)
+            new_blocks = self.pool.take(num_new) if num_new > 0 else []
+            request.add_blocks([*prefix, *new_blocks], len(prefix) if self.enable_prefix_caching else None)
         self._holders[request.key] = request
         return True
 
-    def record_lookup(self, request: Request, num_prefix_blocks: int) -> None:
-        """Count an admitted sequence's cache lookup (in tokens); its first one is its
-        num_cached_tokens."""
-        num_hit_tokens = num_prefix_blocks * self.block_size if self.enable_prefix_caching else 0
-        if self.enable_prefix_caching and request.may_read_prefix_cache:
+    def record_lookup(self, request: Request, num_prefix_blocks: int) -> int:
+        """Count an admitted sequence's cache lookup (in tokens); the tokens it found."""
+        if not self.enable_prefix_caching:
+            return 0
+        num_hit_tokens = num_prefix_blocks * self.block_size
+        if request.may_read_prefix_cache:
             self.prefix_cache_queries_total += request.num_tokens
             self.prefix_cache_hits_total += num_hit_tokens
-        if not request.was_scheduled:
-            request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
+        return num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the blocks that became full and computed (prompt or generated tokens)."""
@@ -120,26 +117,18 @@ class BlockManager:
         start = request.num_cached_blocks
         if not self.enable_prefix_caching or num_full <= start:
             return
-        extend_block_keys(request.block_keys, request.token_ids, num_full, self.block_size)
-        block_ids = request.block_ids[start:num_full].tolist()
-        for block_id, key in zip(block_ids, request.block_keys[start:num_full]):
+        keys = request.compute_block_keys(num_full, self.block_size)
+        for block_id, key in zip(request.block_ids[start:num_full].tolist(), keys[start:num_full]):
             self.pool.cache(block_id, key)
-        request.num_cached_blocks = num_full
+        request.mark_blocks_cached(num_full)
 
     def free(self, request: Request) -> None:
         """Drop `request`'s references (a no-op if it holds none). Tail blocks are released first:
         the end of a sequence is the least likely prefix for a later request, so it goes first."""
-        if len(request.block_table) == 0:
+        if len(request.block_ids) == 0:
             return
-        self.pool.release(request.block_ids[::-1].tolist())
-        request.block_table.clear()
-        request.num_cached_blocks = 0
-        self._table_changed(request)
+        self.pool.release(request.drop_blocks()[::-1].tolist())
         del self._holders[request.key]
-
-    def _table_changed(self, request: Request) -> None:
-        request.block_ids = request.block_table.view
-        request.num_kv_slots = len(request.block_table) * self.block_size
 
     def forget_cached_blocks(self) -> None:
         """Drop every prefix-cache entry (the workers' cache was lost); no block may be held."""
@@ -151,15 +140,13 @@ class BlockManager:
         self.pool.check_invariants()
         counts = np.zeros(self.num_blocks, dtype=np.int64)  # int64 [num_blocks]
         for key, request in self._holders.items():
-            table = request.block_table.view
-            assert np.array_equal(request.block_ids, table), f"{request.label} block_ids is stale"
+            table = request.block_ids
             assert request.key == key and len(table) > 0, f"{key} is listed as a holder without blocks"
             assert request.status in (RequestStatus.RUNNING, RequestStatus.FINISHED), (
                 f"{request.status.value} {request.label} holds blocks")
             assert len(np.unique(table)) == len(table), f"{request.label} holds a block twice"
             np.add.at(counts, table, 1)
             capacity = len(table) * self.block_size
-            assert request.num_kv_slots == capacity, f"{request.label} num_kv_slots is stale"
             assert request.num_computed_tokens <= capacity, (
                 f"{request.label} has {request.num_computed_tokens} computed tokens in {capacity} slots")
             assert request.num_cached_blocks * self.block_size <= request.num_computed_tokens

@@ -34,9 +34,10 @@ def make_choices(message: AddRequest, seed: int, config: EngineConfig) -> list[R
 
     def choice(index: int, leader: Request | None) -> Request:
         return Request(message.request_id, message.prompt_token_ids, params, seed=choice_seed(seed, index),
-                       arrival_time_s=message.arrival_time_s, eos_token_ids=config.eos_token_ids,
-                       max_model_len=config.max_model_len, choice_index=index, leader=leader)
+                       eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len,
+                       choice_index=index, leader=leader)
 
     leader = choice(0, None)
-    leader.held_siblings = [choice(index, leader) for index in range(1, params.n)]
-    return [leader, *leader.held_siblings]
+    siblings = [choice(index, leader) for index in range(1, params.n)]
+    leader.hold(siblings)
+    return [leader, *siblings]

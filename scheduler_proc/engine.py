@@ -25,7 +25,7 @@ from scheduler_proc.policy import make_policy
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.scheduled_batch import ScheduledBatch
-from scheduler_proc.stop import check_stop
+from scheduler_proc.stop import stop_reason
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,10 @@ class _InFlightStep:
 
 
 class SchedulerEngine:
-    """Owns request lifecycle (waiting -> running -> finished; running -> waiting on preemption;
-    held -> waiting for sibling choices) and the KV block accounting. Plain synchronous code:
-    the loop feeds it messages.
+    """Owns the live requests and the step in flight, and drives each request's lifecycle
+    (waiting -> running -> finished; running -> waiting on preemption; held -> waiting for
+    sibling choices) through the queues, the policy, the block manager and the Request's own
+    transitions. Plain synchronous code: the loop feeds it messages.
 
     Invariant: every choice of every request added gets exactly one output with a non-empty
     finish reason (and a FINISHED event), after which the engine forgets it. Finished sequences
@@ -131,9 +132,8 @@ class SchedulerEngine:
         now = time.time()
         for request in batch.newly_scheduled:
             self._outputs.add_event(request.request_id, request.choice_index, EVENT_SCHEDULED, now)
-        for victim in self.queues.preempted:
+        for victim in self.queues.take_preempted():
             self._outputs.add_event(victim.request_id, victim.choice_index, EVENT_PREEMPTED, now)
-        self.queues.preempted.clear()
         if not batch:
             return None
         plan = build_plan(self._next_step_id, batch, self.constants)
@@ -227,49 +227,49 @@ class SchedulerEngine:
         assert self.constants.num_live == len(live), "plan rows and live sequences differ"
         for request in live.values():
             assert not request.is_finished and 0 <= request.num_computed_tokens <= request.num_tokens
-            leader = request.leader
             if request.status is RequestStatus.HELD:
+                leader = request.leader
                 assert leader is not None and request in leader.held_siblings and not leader.is_finished
 
     def _advance(self, batch: ScheduledBatch, result: StepResult, now: float) -> None:
-        """Apply one successful step to its members (the hot loop: keep it O(batch) and lean)."""
-        tokens = iter(result.sampled_token_ids.tolist())
-        outputs, block_manager = self._outputs, self.block_manager
-        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
-        # int32 [num_seqs]: each member's output row, to re-index logprob entries (only if any)
-        member_rows = np.full(len(batch), -1, dtype=np.int32) if len(result.logprobs) else None
-        finished, add_token = RequestStatus.FINISHED, outputs.add_token
-        members = zip(batch.requests, batch.num_scheduled_tokens, batch.sample)
-        for row, (request, num_scheduled, sample) in enumerate(members):
-            token_id = next(tokens) if sample else -1
-            if request.status is finished:
-                continue  # a static batch's finished seat, or aborted while the step ran
-            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_scheduled
-            if caching and num_computed >= (request.num_cached_blocks + 1) * block_size:
-                block_manager.cache_full_blocks(request)
-            if (request.held_siblings or request.prompt_logprobs_pending) and num_computed >= request.num_prompt_tokens:
-                self.queues.release_held(request)  # the shared prompt's blocks are computed (and cached)
-                request.prompt_logprobs_pending = False
-            if token_id < 0:  # a prefill chunk that did not reach the end of the known tokens
-                if member_rows is not None:
-                    member_rows[row] = outputs.add(request)  # may carry prompt logprobs
+        """Apply one successful step (the hot loop: keep it O(batch) and lean). Per member: count
+        its progress and take its token (Request.advance), share what it computed, queue its
+        output; then forward the step's logprobs."""
+        with_logprobs, finished = len(result.logprobs) > 0, RequestStatus.FINISHED
+        member_rows: list[int] = []  # per member: its output row (-1 = none), to re-index logprobs
+        members = zip(batch.requests, batch.num_scheduled_tokens, batch.member_token_ids(result.sampled_token_ids))
+        for request, num_scheduled, token_id in members:
+            if request.status is finished:  # a static batch's finished seat, or aborted while the step ran
+                member_rows.append(-1)
                 continue
-            if request.num_tokens == request.num_prompt_tokens:
-                outputs.add_event(request.request_id, request.choice_index, EVENT_FIRST_TOKEN, now)
-            request.append_output(token_id)
-            # Pre-check (a stop token, or the length limit) before the full stop rules.
-            if token_id in request.stop_token_ids or request.num_tokens >= request.length_limit:
-                reason = check_stop(request, self.config.max_model_len)
-                if reason:
-                    out_row = self._finish(request, reason, token_id=token_id, now=now)
-                    if member_rows is not None:
-                        member_rows[row] = out_row
-                    continue
-            out_row = add_token(request, token_id)
-            if member_rows is not None:
-                member_rows[row] = out_row
-        if member_rows is not None:
-            outputs.add_logprobs(forward_entries(result, batch.requests, member_rows, batch.prompt_logprob_rows))
+            request.advance(num_scheduled, token_id)
+            self._share_computed(request)
+            member_rows.append(self._emit(request, token_id, now, with_logprobs))
+        if with_logprobs:
+            rows = np.array(member_rows, dtype=np.int32)  # int32 [num_seqs]
+            self._outputs.add_logprobs(forward_entries(result, batch.requests, rows, batch.prompt_logprob_rows))
+
+    def _share_computed(self, request: Request) -> None:
+        """Publish its newly full, computed blocks in the prefix cache, and queue its held
+        siblings once the prompt they share is computed (and cached)."""
+        num_computed, block_manager = request.num_computed_tokens, self.block_manager
+        if (block_manager.enable_prefix_caching
+                and num_computed >= (request.num_cached_blocks + 1) * block_manager.block_size):
+            block_manager.cache_full_blocks(request)
+        if request.held_siblings and num_computed >= request.num_prompt_tokens:
+            self.queues.release_held(request)
+
+    def _emit(self, request: Request, token_id: int, now: float, with_logprobs: bool) -> int:
+        """Queue a running member's output row (-1 = none): its new token, or its terminal output
+        when the stop rule ends it; a prefill chunk (token_id -1) has one only for prompt logprobs."""
+        if token_id < 0:
+            return self._outputs.add(request) if with_logprobs else -1
+        if request.num_tokens == request.num_prompt_tokens + 1:
+            self._outputs.add_event(request.request_id, request.choice_index, EVENT_FIRST_TOKEN, now)
+        reason = stop_reason(request)
+        if reason:
+            return self._finish(request, reason, token_id=token_id, now=now)
+        return self._outputs.add_token(request, token_id)
 
     def _result_error(self, result: StepResult, step: _InFlightStep) -> str:
         token_ids, num_sampled = result.sampled_token_ids, step.num_sampled
@@ -300,3 +300,4 @@ class SchedulerEngine:
             self.queues.release_held(request)
         self.constants.release(request)
         return self._outputs.add(request, token_id, reason, error_message, now)
+

@@ -48,6 +48,5 @@ def forward_entries(result: StepResult, requests: Sequence[Request], member_rows
         last = np.zeros(len(requests), dtype=np.int64)  # int64 [num_seqs]
         np.maximum.at(last, entries.rows[forwarded], entries.positions[forwarded])
         for row in prompt_logprob_rows:
-            request = requests[row]
-            request.next_prompt_logprob_position = max(request.next_prompt_logprob_position, int(last[row]) + 1)
+            requests[row].forwarded_prompt_logprobs(int(last[row]) + 1)
     return entries.select(keep, out_rows[keep])

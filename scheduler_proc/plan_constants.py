@@ -37,12 +37,10 @@ class PlanConstants:
         has_bias = bool(params.logit_bias) or len(request.min_tokens_logit_bias.token_ids) > 0
         self._values[slot] = (*SamplingColumns.param_row(params), has_bias, params.has_penalties)
         self._seeds[slot] = request.seed
-        request.slot = slot
+        request.attach_plan_row(slot)
 
     def release(self, request: Request) -> None:
-        assert request.slot >= 0, f"{request} holds no plan row"
-        self._free_slots.append(request.slot)
-        request.slot = -1
+        self._free_slots.append(request.detach_plan_row())
 
     def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(float64 [n, columns], int64 [n]) for int64 [n] slots."""

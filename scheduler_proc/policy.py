@@ -22,9 +22,8 @@ def start_member(request: Request, prefix: list[int], num_tokens: int, batch: Sc
     num_cached_tokens = len(prefix) * block_manager.block_size
     if not block_manager.allocate(request, num_cached_tokens + num_tokens, prefix):
         return False
-    block_manager.record_lookup(request, len(prefix))
-    request.num_computed_tokens = num_cached_tokens
-    batch.add_first(request, num_cached_tokens, num_tokens)
+    newly_scheduled = request.start(num_cached_tokens, block_manager.record_lookup(request, len(prefix)))
+    batch.add_first(request, num_cached_tokens, num_tokens, newly_scheduled)
     return True
 
 
@@ -50,7 +49,7 @@ class ContinuousPolicy:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        budget, block_size = self.config.max_num_batched_tokens, self.block_manager.block_size
         self._num_long_prefills = 0
         num_preemptions = self.queues.num_preemptions_total
         for request in list(self.queues.running):
@@ -59,7 +58,7 @@ class ContinuousPolicy:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_computed = request.num_computed_tokens
-            if request.num_tokens - num_computed == 1 and num_computed < request.num_kv_slots:
+            if request.num_tokens - num_computed == 1 and num_computed < len(request.block_ids) * block_size:
                 batch.add_decode(request)  # the common case, with nothing to decide
                 budget -= 1
                 continue
@@ -76,7 +75,7 @@ class ContinuousPolicy:
 
     def release(self, request: Request) -> None:
         """A running sequence finished: free its seat and blocks at once."""
-        self.queues.running.remove(request)
+        self.queues.remove_running(request)
         self.block_manager.free(request)
 
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
@@ -156,7 +155,7 @@ class StaticPolicy:
 
     def release(self, request: Request) -> None:
         """A member finished: it keeps its seat and blocks until the whole batch has finished."""
-        self.queues.running.remove(request)
+        self.queues.remove_running(request)
         if not self.queues.running:
             for seat in self.seats:
                 self.block_manager.free(seat)
@@ -164,7 +163,7 @@ class StaticPolicy:
 
     def _schedule_member(self, request: Request, budget: int, batch: ScheduledBatch) -> int:
         block_manager = self.block_manager
-        if len(request.block_table) == 0:  # its first step in this batch
+        if len(request.block_ids) == 0:  # its first step in this batch
             prefix = block_manager.computed_prefix(request)
             num_tokens = min(request.num_tokens - len(prefix) * block_manager.block_size, budget)
             ok = start_member(request, prefix, num_tokens, batch, block_manager)

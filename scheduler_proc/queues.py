@@ -14,7 +14,9 @@ class RequestQueues:
     preemption victim). Held siblings are in neither; their choice 0 lists them.
 
     `num_waiting_tokens` is the sum of `num_tokens` over `waiting` (what those sequences must
-    compute before their next token; a waiting sequence holds no progress), kept as each one moves."""
+    compute before their next token; a waiting sequence holds no progress), kept as each one moves.
+    Ownership: the queues decide where a sequence is; its status changes through its own
+    transitions (Request.admit, preempt, release_siblings)."""
 
     def __init__(self) -> None:
         self.waiting: deque[Request] = deque()
@@ -22,7 +24,7 @@ class RequestQueues:
         self.num_held = 0
         self.num_waiting_tokens = 0
         self.num_preemptions_total = 0
-        self.preempted: list[Request] = []  # victims not yet reported (the engine drains this)
+        self._preempted: list[Request] = []  # victims not yet reported (take_preempted)
         self._num_admissions = 0
 
     def add(self, choices: list[Request]) -> None:
@@ -35,8 +37,7 @@ class RequestQueues:
         request = self.waiting[index]
         del self.waiting[index]
         self.num_waiting_tokens -= request.num_tokens
-        request.status = RequestStatus.RUNNING
-        request.admission_order = self._num_admissions
+        request.admit(self._num_admissions)
         self._num_admissions += 1
         self.running.append(request)
         return request
@@ -52,17 +53,25 @@ class RequestQueues:
         self.num_waiting_tokens += victim.num_tokens
         if counted:
             self.num_preemptions_total += 1
-            self.preempted.append(victim)
+            self._preempted.append(victim)
         return victim
 
     def release_held(self, leader: Request) -> None:
         """Queue choice 0's held siblings at the head of waiting, in choice order."""
-        siblings, leader.held_siblings = leader.held_siblings, []
+        siblings = leader.release_siblings()
         for sibling in reversed(siblings):
-            sibling.status = RequestStatus.WAITING
             self.waiting.appendleft(sibling)
             self.num_waiting_tokens += sibling.num_tokens
         self.num_held -= len(siblings)
+
+    def take_preempted(self) -> list[Request]:
+        """The sequences preempted for lack of blocks since the last call, in preemption order."""
+        preempted, self._preempted = self._preempted, []
+        return preempted
+
+    def remove_running(self, request: Request) -> None:
+        """Take a running sequence out of the running set (it finished)."""
+        self.running.remove(request)
 
     def remove_waiting(self, request: Request) -> None:
         """Take a waiting sequence out of the queue (it finished before it was admitted)."""
@@ -71,7 +80,7 @@ class RequestQueues:
 
     def drop_held(self, sibling: Request) -> None:
         """Forget a held sibling that finished (aborted alone) before its choice 0 released it."""
-        sibling.leader.held_siblings.remove(sibling)
+        sibling.leader.drop_held_sibling(sibling)
         self.num_held -= 1
 
     def check_invariants(self, max_num_seqs: int) -> None:

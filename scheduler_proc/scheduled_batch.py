@@ -3,6 +3,8 @@ turned into the plan's arrays in one go."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from scheduler_proc.request import Request
 
 
@@ -12,6 +14,7 @@ class ScheduledBatch:
 
     A padding member is a static batch's finished seat: it re-feeds its last computed token at
     its own position (same KV slot, same value) and its sampled token is discarded.
+    The batch only reads its members; the policy and engine move them.
     """
 
     def __init__(self) -> None:
@@ -28,6 +31,15 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def member_token_ids(self, sampled_token_ids: np.ndarray) -> list[int]:
+        """The token each member sampled (int32 [num_sampled] in batch order), per member; -1 for
+        a member that does not sample."""
+        if len(sampled_token_ids) == len(self.requests):  # every member sampled: the common decode step
+            return sampled_token_ids.tolist()
+        token_ids = np.full(len(self.requests), -1, dtype=np.int32)  # int32 [num_seqs]
+        token_ids[np.array(self.sample, dtype=np.bool_)] = sampled_token_ids
+        return token_ids.tolist()
 
     def add(self, request: Request, num_computed_tokens: int, num_scheduled_tokens: int) -> None:
         row = len(self.requests)
@@ -54,10 +66,11 @@ class ScheduledBatch:
         self.single_token_ids.append(request.last_token_id)
         self.num_tokens += 1
 
-    def add_first(self, request: Request, num_computed_tokens: int, num_scheduled_tokens: int) -> None:
-        """Add a sequence that was just given blocks (new or preempted); notes a first scheduling."""
-        if not request.was_scheduled:
-            request.was_scheduled = True
+    def add_first(self, request: Request, num_computed_tokens: int, num_scheduled_tokens: int,
+                  newly_scheduled: bool) -> None:
+        """Add a sequence that was just given blocks (new or preempted); newly_scheduled: this is
+        its first scheduling ever (Request.start said so)."""
+        if newly_scheduled:
             self.newly_scheduled.append(request)
         self.add(request, num_computed_tokens, num_scheduled_tokens)
 

@@ -46,23 +46,20 @@ def active_bias(request: Request) -> BiasTriples:
     return request.logit_bias
 
 
-def check_stop(request: Request, max_model_len: int) -> FinishReason:
-    """Finish reason after a token was appended (NONE = keep going).
+def stop_reason(request: Request) -> FinishReason:
+    """Finish reason after a token was appended (NONE = keep going): the stop rule, written here only.
 
     A stop token ends the request only once more than min_tokens tokens exist (the first
     min_tokens may not be stop tokens; the worker masks them, and a worker that did not is not
     obeyed). A stop token wins over a simultaneous length limit: the model did end by itself.
-    max_model_len 0 means no limit.
+    The length limit is max_tokens outputs, or max_model_len tokens once one output exists
+    (Request.max_num_kv_tokens + 1 tokens either way).
     """
-    params = request.sampling_params
-    num_output = request.num_output_tokens
-    if num_output > params.min_tokens and request.last_token_id in request.stop_token_ids:
+    num_tokens = request.num_tokens
+    if (request.last_token_id in request.stop_token_ids
+            and num_tokens - request.num_prompt_tokens > request.sampling_params.min_tokens):
         return FinishReason.STOP
-    if num_output >= params.max_tokens:
-        return FinishReason.LENGTH
-    if max_model_len and request.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    return FinishReason.NONE
+    return FinishReason.LENGTH if num_tokens > request.max_num_kv_tokens else FinishReason.NONE
 
 
 def _triples(bias: dict[int, float]) -> BiasTriples:

@@ -12,26 +12,25 @@ from hypothesis import strategies as st
 
 from proto.sampling import SamplingParams
 from scheduler_proc.block_manager import BlockManager
-from scheduler_proc.request import Request, RequestStatus
+from scheduler_proc.request import Request
 
 
 def make_request(request_id: str, prompt: int | Sequence[int] = 4, **params: object) -> Request:
     """A running sequence; an int prompt means that many tokens 0, 1, 2, ..."""
     prompt_ids = np.arange(prompt) if isinstance(prompt, int) else np.asarray(prompt)
     request = Request(request_id, prompt_ids.astype(np.int32), SamplingParams(**params), seed=0)
-    request.status = RequestStatus.RUNNING
+    request.admit(admission_order=0)
     return request
 
 
 def compute(manager: BlockManager, request: Request, num_tokens: int) -> None:
     """Admit-and-prefill `request` up to num_tokens as the policy and engine would."""
-    if len(request.block_table) == 0:
+    if len(request.block_ids) == 0:
         prefix = manager.computed_prefix(request)
         assert manager.allocate(request, num_tokens, prefix)
-        manager.record_lookup(request, len(prefix))
-        request.num_computed_tokens = len(prefix) * manager.block_size
+        request.start(len(prefix) * manager.block_size, manager.record_lookup(request, len(prefix)))
     assert manager.allocate(request, num_tokens)
-    request.num_computed_tokens = num_tokens
+    request.advance(num_tokens - request.num_computed_tokens, token_id=-1)
     manager.cache_full_blocks(request)
     manager.check_invariants()
 
@@ -137,9 +136,8 @@ def test_check_invariants_catches_a_block_held_twice_with_one_reference() -> Non
     first, second = make_request("a"), make_request("b")
     manager.allocate(first, 2)
     manager.allocate(second, 2)
-    second.block_table.clear()
-    second.block_table.extend(first.block_ids)
-    second.block_ids = second.block_table.view
+    second.drop_blocks()  # behind the manager's back: its block keeps a reference, first's get none more
+    second.add_blocks(first.block_ids)
     with pytest.raises(AssertionError, match="ref counts"):
         manager.check_invariants()
 
@@ -168,14 +166,16 @@ def test_any_sequence_of_admissions_computations_and_frees_keeps_the_invariants(
             if request is not None:
                 manager.free(request)
             requests[index] = make_request(f"r{index}", prompt)
-        elif len(request.block_table) == 0:
+        elif len(request.block_ids) == 0:
             prefix = manager.computed_prefix(request)
             target = min(request.num_tokens, max(num_tokens, len(prefix) * 2 + 1))
             if manager.allocate(request, target, prefix):
-                request.num_computed_tokens = target
+                request.start(len(prefix) * 2, num_cache_hit_tokens=0)
+                request.advance(target - request.num_computed_tokens, token_id=-1)
                 manager.cache_full_blocks(request)
         elif manager.allocate(request, min(request.num_tokens, num_tokens)):
-            request.num_computed_tokens = max(request.num_computed_tokens, min(request.num_tokens, num_tokens))
+            target = min(request.num_tokens, num_tokens)
+            request.advance(max(0, target - request.num_computed_tokens), token_id=-1)
             manager.cache_full_blocks(request)
         manager.check_invariants()
     for request in requests.values():
