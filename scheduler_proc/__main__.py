@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import logging
 import os
-import signal
-import sys
 
-from proto.config import EngineConfig
-from scheduler_proc.loop import SchedulerLoop
+# Read before the imports below: they take most of a second on a loaded machine, and a parent that
+# dies meanwhile must still be noticed (getppid would then name the reaper instead).
+PARENT_PID = os.getppid()
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from proto.config import EngineConfig  # noqa: E402
+from scheduler_proc.loop import SchedulerLoop  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -29,16 +34,15 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parent_pid = os.getppid()
     parser = argparse.ArgumentParser(prog="python -m scheduler_proc", description=__doc__)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
-    if not die_with_parent(parent_pid):
+    if not die_with_parent(PARENT_PID):
         return 1
-    loop = SchedulerLoop(config)
+    loop = SchedulerLoop(config, parent_pid=PARENT_PID)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: loop.request_stop())
     signal.signal(signal.SIGINT, lambda _signum, _frame: loop.request_stop())
     return loop.run()

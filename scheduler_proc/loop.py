@@ -33,14 +33,15 @@ class SchedulerLoop:
     """Binds the scheduler's sockets, waits for every worker rank, then runs steps until told
     to stop (request_stop, e.g. from SIGTERM) or until the parent process is gone."""
 
-    def __init__(self, config: EngineConfig, context: zmq.Context | None = None) -> None:
+    def __init__(self, config: EngineConfig, context: zmq.Context | None = None,
+                 parent_pid: int | None = None) -> None:
         self.config = config
         self.engine: SchedulerEngine | None = None
         self.num_protocol_errors = 0
         self._context = context or zmq.Context()
         self._owns_context = context is None
         self._stopping = False
-        self._parent_pid = os.getppid()
+        self._parent_pid = os.getppid() if parent_pid is None else parent_pid
         self._last_sent_s = 0.0  # time.monotonic() of the last message to the frontend
         self._sockets: list[zmq.Socket] = []
         self._control: zmq.Socket | None = None  # set with the others by _open_sockets

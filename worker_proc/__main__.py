@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
+import os
 
-from proto.config import EngineConfig
-from proto.errors import ValidationError
+# Read first: the imports that follow (torch above all) take seconds, and a parent that dies
+# meanwhile must still be noticed (getppid would then name the reaper instead).
+PARENT_PID = os.getppid()
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from proto.config import EngineConfig  # noqa: E402
+from proto.errors import ValidationError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s worker{args.rank} %(name)s: %(message)s")
     from worker_proc.loop import run_worker  # after arg checks: importing torch takes seconds
 
-    return run_worker(config, args.rank)
+    return run_worker(config, args.rank, parent_pid=PARENT_PID)
 
 
 if __name__ == "__main__":

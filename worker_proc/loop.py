@@ -36,9 +36,10 @@ class FrameCounters:
     num_protocol_errors: int = 0
 
 
-def run_worker(config: EngineConfig, rank: int) -> int:
-    """Returns the process exit code: 0 after a clean stop, 1 when start-up failed."""
-    parent_pid = os.getppid()
+def run_worker(config: EngineConfig, rank: int, parent_pid: int | None = None) -> int:
+    """Returns the process exit code: 0 after a clean stop, 1 when start-up failed. parent_pid:
+    the supervisor, read as the process started (default: the parent now)."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
     stop = threading.Event()
     _exit_with_parent(parent_pid, stop)
     name = f"worker{rank}"
