@@ -1,0 +1,64 @@
+"""The sampler's grammar mask: packed int32 rows applied to logits, checked against a Python reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worker_proc.grammar_mask import apply_token_bitmask_, unpack_bitmask
+
+
+def _pack(allowed: np.ndarray) -> torch.Tensor:
+    """Reference packing: bool [rows, vocab] -> int32 [rows, ceil(vocab / 32)], bit t % 32 of word t // 32."""
+    rows, vocab = allowed.shape
+    words = np.zeros((rows, -(-vocab // 32)), dtype=np.uint32)
+    for r in range(rows):
+        for t in range(vocab):
+            if allowed[r, t]:
+                words[r, t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+@pytest.mark.parametrize("vocab_size", [32, 33, 100, 49152])
+def test_unpacking_gives_back_every_bit_including_the_sign_bit(vocab_size: int) -> None:
+    rng = np.random.default_rng(vocab_size)
+    allowed = rng.random((3, vocab_size)) < 0.5
+    allowed[:, 31::32] = True  # bit 31 is the int32 sign bit
+    if vocab_size > 2000:
+        allowed = allowed[:, :vocab_size]
+        packed = torch.from_numpy(np.packbits(allowed, axis=1, bitorder="little").view(np.int32))
+    else:
+        packed = _pack(allowed)
+    np.testing.assert_array_equal(unpack_bitmask(packed, vocab_size).numpy(), allowed)
+
+
+def test_only_the_listed_rows_are_masked_and_allowed_logits_are_untouched() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 70)
+    before = logits.clone()
+    allowed = np.zeros((2, 70), dtype=bool)
+    allowed[0, [0, 5, 63, 69]] = True
+    allowed[1, 31] = True
+    apply_token_bitmask_(logits, _pack(allowed), torch.tensor([3, 1]))
+    for row in (0, 2):
+        torch.testing.assert_close(logits[row], before[row])
+    for mask_row, row in ((0, 3), (1, 1)):
+        for t in range(70):
+            expected = before[row, t].item() if allowed[mask_row, t] else float("-inf")
+            assert logits[row, t].item() == expected
+
+
+def test_masked_greedy_row_picks_the_best_allowed_token() -> None:
+    logits = torch.tensor([[5.0, 1.0, 3.0, 4.0]])
+    allowed = np.array([[False, True, True, False]])
+    apply_token_bitmask_(logits, _pack(allowed), torch.tensor([0]))
+    assert logits.argmax(dim=-1).item() == 2
+
+
+def test_bfloat16_logits_and_no_constrained_rows() -> None:
+    logits = torch.zeros(2, 40, dtype=torch.bfloat16)
+    apply_token_bitmask_(logits, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int64))
+    assert torch.isfinite(logits).all()
+    apply_token_bitmask_(logits, _pack(np.eye(1, 40, 7, dtype=bool)), torch.tensor([1]))
+    assert torch.isinf(logits[1]).sum().item() == 39 and logits[1, 7].item() == 0
