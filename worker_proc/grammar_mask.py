@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import torch
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # int32 [32]
+# int32 [32]: 1 << b; 1 << 31 is the sign bit, which `&` tests like any other.
+_BITS = torch.ones(1, dtype=torch.int32) << torch.arange(32, dtype=torch.int32)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [num_rows, vocab_size]: True where allowed, from int32 [num_rows, ceil(vocab_size / 32)]."""
+def disallowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [num_rows, vocab_size]: True where NOT allowed, from int32 [num_rows, ceil(vocab_size / 32)].
+
+    One AND against the 32 bit values (cheaper than shift-and-mask: one pass less over the
+    [num_rows, words, 32] intermediate).
+    """
     assert bitmask.dtype == torch.int32 and bitmask.dim() == 2
     assert bitmask.shape[1] * 32 >= vocab_size, (bitmask.shape, vocab_size)
-    shifts = _BIT_SHIFTS.to(bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # int32 [num_rows, words, 32]; >> on int32 is arithmetic, & 1 keeps one bit
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    bits = bitmask.unsqueeze(-1) & _BITS.to(bitmask.device)  # int32 [num_rows, words, 32]
+    return (bits == 0).view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor) -> None:
@@ -31,6 +35,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, row_indice
     if row_indices.numel() == 0:
         return
     assert bitmask.shape[0] == row_indices.numel(), (bitmask.shape, row_indices.shape)
-    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
-    rows = row_indices.to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    disallowed = disallowed_tokens(bitmask.to(logits.device), logits.shape[1])
+    rows = row_indices.to(device=logits.device, dtype=torch.int64)
+    masked = logits.index_select(0, rows).masked_fill_(disallowed, float("-inf"))
+    logits.index_copy_(0, rows, masked)

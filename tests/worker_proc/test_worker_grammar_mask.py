@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker_proc.grammar_mask import apply_token_bitmask_, unpack_bitmask
+from worker_proc.grammar_mask import apply_token_bitmask_, disallowed_tokens
 
 
 def _pack(allowed: np.ndarray) -> torch.Tensor:
@@ -30,7 +30,7 @@ def test_unpacking_gives_back_every_bit_including_the_sign_bit(vocab_size: int) 
         packed = torch.from_numpy(np.packbits(allowed, axis=1, bitorder="little").view(np.int32))
     else:
         packed = _pack(allowed)
-    np.testing.assert_array_equal(unpack_bitmask(packed, vocab_size).numpy(), allowed)
+    np.testing.assert_array_equal(disallowed_tokens(packed, vocab_size).numpy(), ~allowed)
 
 
 def test_only_the_listed_rows_are_masked_and_allowed_logits_are_untouched() -> None:
