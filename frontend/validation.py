@@ -7,6 +7,7 @@ from typing import Any
 
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
 from proto.errors import ValidationError
 from proto.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, check_top_k
@@ -143,12 +144,12 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
 
 
 def _check_choices(request: SamplingFields) -> None:
-    """n, best_of and response_format: what the request asks the server to return."""
-    response_format = request.response_format
-    if response_format is not None and response_format.type != "text":
-        raise bad_request(f"response_format type {response_format.type!r} is not supported yet: "
-                          f"send {{\"type\": \"text\"}} or leave response_format out",
-                          "response_format", "unsupported_response_format")
+    """n, best_of and the output constraint: what the request asks the server to return."""
+    constraint = request_grammar(request)  # a malformed one gets its own 400 here
+    if constraint is not None:
+        field = constraint[1].split(".")[0]
+        raise bad_request(f"{field} (structured output) is not supported yet: leave it out or send "
+                          f"response_format {{\"type\": \"text\"}}", field, "unsupported_response_format")
     n = _or(request.n, 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
