@@ -165,7 +165,7 @@ def _summary_us(samples_s: list[float]) -> dict[str, float]:
             "p99_us": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6, 1)}
 
 
-def measure(engine: str, model_dir: Path, repeat: int) -> dict[str, Any]:
+def measure(engine: str, model_dir: Path, repeat: int, batch: int) -> dict[str, Any]:
     """One engine in this process: run it in a fresh interpreter so its imports are its own."""
     import tokenizers
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
@@ -202,6 +202,7 @@ def measure(engine: str, model_dir: Path, repeat: int) -> dict[str, Any]:
             assert ok, f"{engine} rejected token {token_id} of a valid document"
         adapter.fill(matcher, row)
         assert adapter.accepting(matcher), f"{engine} does not accept the finished document"
+    step_s = _step_mask_s(adapter, compiled, token_ids, vocab_size, batch)
     return {"engine": engine, "version": importlib.metadata.version(engine.replace("_", "-")),
             "vocab_size": vocab_size, "document_tokens": len(token_ids),
             "imports_torch": "torch" in loaded, "imports_transformers": "transformers" in loaded,
@@ -210,7 +211,28 @@ def measure(engine: str, model_dir: Path, repeat: int) -> dict[str, Any]:
             "compile_ms": round(statistics.median(compile_s) * 1e3, 2),
             "first_compile_ms": round(compile_s[0] * 1e3, 2),
             "new_matcher_us": _summary_us(matcher_s)["p50_us"],
-            "mask_per_token": _summary_us(mask_s), "advance_per_token": _summary_us(advance_s)}
+            "mask_per_token": _summary_us(mask_s), "advance_per_token": _summary_us(advance_s),
+            f"step_mask_ms_{batch}_rows": round(statistics.median(step_s) * 1e3, 2)}
+
+
+def _step_mask_s(adapter: Any, compiled: Any, token_ids: list[int], vocab_size: int,
+                 batch: int) -> list[float]:
+    """One step's masks for `batch` sequences spread over the document (row by row, one thread),
+    each state's mask computed for the first time, as in serving (no mask reused)."""
+    rows = [adapter.allocate(vocab_size) for _ in range(batch)]
+    samples = []
+    for _ in range(5):
+        matchers = []
+        for i in range(batch):
+            matcher = adapter.matcher(compiled)
+            for token_id in token_ids[:i * len(token_ids) // batch]:
+                adapter.advance(matcher, token_id)
+            matchers.append(matcher)
+        start = time.perf_counter()
+        for matcher, row in zip(matchers, rows):
+            adapter.fill(matcher, row)
+        samples.append(time.perf_counter() - start)
+    return samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,17 +240,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=32, help="constrained sequences in one step")
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.model_dir, args.repeat)))
+        print(json.dumps(measure(args.child, args.model_dir, args.repeat, args.batch)))
         return
     for engine in args.engines:
         if importlib.util.find_spec(engine) is None:
             print(json.dumps({"engine": engine, "error": "not installed"}))
             continue
         child = subprocess.run([sys.executable, "-m", "deploy.grammar_bench", "--child", engine,
-                                "--model-dir", str(args.model_dir), "--repeat", str(args.repeat)],
+                                "--model-dir", str(args.model_dir), "--repeat", str(args.repeat), "--batch", str(args.batch)],
                                capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         lines = child.stdout.strip().splitlines()
         print(lines[-1] if child.returncode == 0 and lines else
