@@ -62,3 +62,44 @@ def test_bfloat16_logits_and_no_constrained_rows() -> None:
     assert torch.isfinite(logits).all()
     apply_token_bitmask_(logits, _pack(np.eye(1, 40, 7, dtype=bool)), torch.tensor([1]))
     assert torch.isinf(logits[1]).sum().item() == 39 and logits[1, 7].item() == 0
+
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tag": {"enum": ["fox", "dog"]}, "xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["ok", "n", "tag", "xs"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_sampling_from_random_logits_always_yields_a_valid_document(tmp_path, seed: int) -> None:
+    """The scheduler's rows (llguidance's layout) applied by the worker: whatever the logits, the
+    output parses and validates, and EOS is sampled only where the grammar accepts."""
+    import json
+
+    import tokenizers
+
+    from proto.grammar import GrammarSpec
+    from scheduler_proc.grammar import GrammarTable, fill_bitmask
+    from tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path)
+    backend = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    eos, vocab_size = backend.token_to_id("<|im_end|>"), 520
+    table = GrammarTable.from_model_dir(tmp_path, vocab_size, [eos])
+    grammar, bitmask = table.start(GrammarSpec.json_schema(SCHEMA)), table.allocate_bitmask(1)
+    torch.manual_seed(seed)  # the sampling draws too
+    generator, output = torch.Generator().manual_seed(seed), []
+    for _ in range(300):
+        logits = torch.randn(1, vocab_size, generator=generator)
+        logits[0, eos] += 4.0  # end as soon as the grammar lets it
+        rows = torch.from_numpy(fill_bitmask([grammar], bitmask))
+        apply_token_bitmask_(logits, rows, torch.tensor([0]))
+        token_id = int(torch.distributions.Categorical(logits=logits[0]).sample().item())
+        assert token_id != eos or grammar.is_accepting
+        grammar.advance(token_id)
+        if token_id == eos:
+            break
+        output.append(token_id)
+    document = json.loads(backend.decode(output))
+    assert set(document) == {"ok", "n", "tag", "xs"} and document["tag"] in ("fox", "dog")
+    assert isinstance(document["ok"], bool) and 0 <= document["n"] <= 99 and len(document["xs"]) <= 3
