@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
+from frontend.tool_prompt import render_with_tools
+from frontend.tools import Tool
 from proto.errors import ValidationError
 from proto.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, check_top_k
 
@@ -101,14 +103,15 @@ def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool,
-                    max_model_len: int) -> list[int]:
+                    max_model_len: int, tools: Sequence[Tool] = ()) -> list[int]:
     """The rendered conversation's token ids; 400 at once when its text alone is certainly longer
-    than `max_model_len` tokens (see `check_text_fits`)."""
+    than `max_model_len` tokens (see `check_text_fits`). Tool calls and tool results in the
+    history, and `tools`, are rendered as frontend/tool_prompt.py says."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     template_messages = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.render_chat(template_messages, add_generation_prompt)
+        text = render_with_tools(tokenizer, template_messages, list(tools), add_generation_prompt)
     except ValueError as exc:  # ChatTemplateError, or the model has no chat template
         raise bad_request(str(exc), "messages") from exc
     check_text_fits(text, tokenizer, max_model_len, "messages")
