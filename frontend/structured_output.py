@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark, is_lark_syntax
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ResponseFormat, SamplingFields, StructuredOutputs
@@ -123,7 +123,7 @@ def _lark(grammar: str, param: str) -> str:
         return grammar
     try:
         return gbnf_to_lark(grammar)
-    except GbnfToLarkError as exc:
+    except Exception as exc:  # the converter's own error, and also bare Exception / IndexError on odd input
         raise bad_request(f"{param} is not a valid GBNF grammar: {exc}", param) from None
 
 

@@ -94,6 +94,8 @@ def test_gbnf_grammar_is_converted_to_lark() -> None:
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least one"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
     ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, "structured_outputs.grammar", "not a valid GBNF"),
+    ({"structured_outputs": {"grammar": "root ::= 3f"}}, "structured_outputs.grammar", "not a valid GBNF"),
+    ({"guided_grammar": 'root ::= h"`h_;JWF[7ap.\\'}, "guided_grammar", "not a valid GBNF"),
     ({"structured_outputs": {"regx": "a"}}, "structured_outputs.regx", "Extra inputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "send one of"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one output constraint"),
