@@ -126,3 +126,14 @@ def test_regex_grammar_text_is_what_llguidance_itself_writes(regex: str) -> None
     ours = json.loads(engine_grammar(GrammarSpec("regex", regex)))["grammars"][0]["lark_grammar"]
     theirs = json.loads(llguidance.LLMatcher.grammar_from_regex(regex))["grammars"][0]["lark_grammar"]
     assert ours == theirs
+
+
+def test_eos_is_consumed_only_where_the_grammar_accepts(table: GrammarTable,
+                                                         backend: tokenizers.Tokenizer) -> None:
+    eos = backend.token_to_id("<|im_end|>")
+    early = table.start(GrammarSpec("regex", "[0-9]+"))
+    with pytest.raises(GrammarError):
+        early.advance(eos)
+    done = table.start(GrammarSpec("regex", "[0-9]+"))
+    done.replay([*_encode(backend, "7"), eos])
+    assert done.is_finished
