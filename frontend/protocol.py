@@ -29,10 +29,30 @@ class StreamOptions(_Strict):
 
 
 class ResponseFormat(_Strict):
-    """OpenAI's output format switch; validation.py serves "text" and refuses the JSON modes for now."""
+    """OpenAI's output format switch; frontend/structured_output.py turns it into a GrammarSpec."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar, json_object.
+
+    The other keys are vLLM's backend hints, accepted and ignored: conveyor's JSON grammar never
+    lets free whitespace in (proto/grammar.py), whatever they say.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: Any = Field(default=None, alias="json")  # a schema (object or bool) or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
+    json_object: bool | None = None
+    structural_tag: str | None = None  # refused with a 400: not supported
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 def _documented(default: Any = None, **schema: Any) -> Any:
@@ -70,6 +90,11 @@ class SamplingFields(_Strict):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     ignore_eos: bool = DEFAULTS.ignore_eos
     min_tokens: int = _documented(DEFAULTS.min_tokens, minimum=0)
     top_k: int | None = _documented(minimum=-1)  # at most the vocabulary size
@@ -108,7 +133,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = _documented(minimum=1)
     logprobs: bool | None = False
     top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked by frontend/tools.py
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
 

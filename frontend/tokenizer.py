@@ -57,6 +57,10 @@ class Tokenizer:
         # tokenized in a worker thread leaves the event loop free for other clients.
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def backend_json(self) -> str:
+        """The tokenizer.json text (llguidance builds its token table from it)."""
+        return self._backend.to_str()
+
     def min_num_tokens(self, text: str) -> int:
         """A lower bound on the tokens of `text`, known without tokenizing it: every token stands
         for at most `max_token_bytes` of the text's bytes (and a character is at least one byte)."""

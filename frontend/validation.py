@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
+from frontend.tool_prompt import render_with_tools
+from frontend.tools import Tool
 from proto.config import prompt_fits
 from proto.errors import ValidationError
 from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_vocab_bounds
@@ -108,14 +111,15 @@ def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool,
-                    max_model_len: int) -> list[int]:
+                    max_model_len: int, tools: Sequence[Tool] = ()) -> list[int]:
     """The rendered conversation's token ids; 400 at once when its text alone is certainly longer
-    than `max_model_len` tokens (see `check_text_fits`)."""
+    than `max_model_len` tokens (see `check_text_fits`). Tool calls and tool results in the
+    history, and `tools`, are rendered as frontend/tool_prompt.py says."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     template_messages = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.render_chat(template_messages, add_generation_prompt)
+        text = render_with_tools(tokenizer, template_messages, list(tools), add_generation_prompt)
     except ValueError as exc:  # ChatTemplateError, or the model has no chat template
         raise bad_request(str(exc), "messages") from exc
     check_text_fits(text, tokenizer, max_model_len, "messages")
@@ -151,12 +155,12 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
 
 
 def _check_choices(request: SamplingFields) -> None:
-    """n, best_of and response_format: what the request asks the server to return."""
-    response_format = request.response_format
-    if response_format is not None and response_format.type != "text":
-        raise bad_request(f"response_format type {response_format.type!r} is not supported yet: "
-                          f"send {{\"type\": \"text\"}} or leave response_format out",
-                          "response_format", "unsupported_response_format")
+    """n, best_of and the output constraint: what the request asks the server to return."""
+    constraint = request_grammar(request)  # a malformed one gets its own 400 here
+    if constraint is not None:
+        field = constraint[1].split(".")[0]
+        raise bad_request(f"{field} (structured output) is not supported yet: leave it out or send "
+                          f"response_format {{\"type\": \"text\"}}", field, "unsupported_response_format")
     n = _or(request.n, DEFAULTS.n)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")

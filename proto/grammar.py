@@ -1,0 +1,108 @@
+"""The constraint on one request's output (structured output), and its text in the engine's grammar format.
+
+The frontend turns `response_format`, `structured_outputs`, `guided_*` and forced tool choices
+into a GrammarSpec and checks that it compiles; the scheduler compiles it again for its
+matchers. `engine_grammar` is the one definition of what a spec means, shared by both, written
+as llguidance's top-level grammar JSON with the standard library only (no engine in proto).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from proto.errors import ValidationError
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_SOURCE_CHARS = 200_000  # a schema or grammar larger than this is refused, not compiled
+MAX_CHOICES = 1024
+
+# Keys and items separated as json.dumps does by default (", " and ": "), and no other
+# whitespace: a small model left free to emit whitespace can fill max_tokens with newlines
+# inside a valid document. A schema's own "x-guidance" options win.
+JSON_SCHEMA_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match. `source` by kind:
+
+    - json_schema: the schema as JSON text, compact, keys in the client's order (the output's
+      properties follow the order of `properties`, so two orders are two grammars);
+    - json_object: "" (any JSON object);
+    - regex: the pattern (Rust regex syntax, matched against the whole output);
+    - choice: a JSON array of the allowed strings, e.g. '["yes","no"]';
+    - grammar: a Lark grammar in llguidance's dialect (the frontend converts GBNF first).
+    """
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValidationError naming the field, the limit and the value."""
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValidationError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, "
+                                  f"got {self.kind!r}", "grammar.kind")
+        if not isinstance(self.source, str):
+            raise ValidationError(f"grammar source must be a string, got {type(self.source).__name__}",
+                                  "grammar.source")
+        if len(self.source) > MAX_GRAMMAR_SOURCE_CHARS:
+            raise ValidationError(f"a grammar may have at most {MAX_GRAMMAR_SOURCE_CHARS} characters, "
+                                  f"got {len(self.source)}", "grammar.source")
+        if self.kind == "choice":
+            _check_choices(self.source)
+        elif self.kind in ("json_schema", "regex", "grammar") and not self.source:
+            raise ValidationError(f"a {self.kind} grammar must not be empty", "grammar.source")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> "GrammarSpec":
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "GrammarSpec":
+        return cls("choice", json.dumps(choices, separators=(",", ":"), ensure_ascii=False))
+
+
+def _check_choices(source: str) -> None:
+    try:
+        choices = json.loads(source)
+    except ValueError:
+        choices = None
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise ValidationError("choice grammar source must be a JSON array of strings", "grammar.source")
+    if not 1 <= len(choices) <= MAX_CHOICES:
+        raise ValidationError(f"choice needs between 1 and {MAX_CHOICES} strings, got {len(choices)}",
+                              "grammar.source")
+
+
+def engine_grammar(spec: GrammarSpec) -> str:
+    """llguidance's top-level grammar JSON for `spec` (what LLMatcher compiles)."""
+    if spec.kind in ("json_schema", "json_object"):
+        schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_SCHEMA_OPTIONS, **schema.get("x-guidance", {})}}
+        return json.dumps({"grammars": [{"json_schema": schema}]}, ensure_ascii=False)
+    if spec.kind == "regex":
+        lark = "start: /" + _escape_slashes(spec.source) + "/"
+    elif spec.kind == "choice":
+        literals = [json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.source)]
+        lark = "start: " + " | ".join(literals)
+    else:
+        lark = spec.source
+    return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
+
+
+def _escape_slashes(regex: str) -> str:
+    """`regex` inside Lark's /.../: every unescaped slash escaped, escapes kept as they are."""
+    out, i = [], 0
+    while i < len(regex):
+        if regex[i] == "\\":
+            out.append(regex[i:i + 2])
+            i += 2
+            continue
+        out.append("\\/" if regex[i] == "/" else regex[i])
+        i += 1
+    return "".join(out)
