@@ -21,7 +21,8 @@ from pathlib import Path
 from deploy import bench_recovery, bench_sweep
 from deploy.bench_report import save_result
 from deploy.replay import COMPLETIONS_ENDPOINT, BenchError, add_replay_arguments, replay, replay_options
-from deploy.trace import add_trace_arguments, save_trace, trace_from_args
+from deploy.trace import add_trace_arguments, trace_from_args
+from proto.trace import save_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,9 +22,10 @@ from deploy.launcher import Stack, StartupError
 from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.replay import BenchError, ReplayOptions, add_replay_arguments, replay, replay_options
-from deploy.trace import TraceEntry, add_trace_arguments, save_trace, trace_from_args
+from deploy.trace import TraceSpec, add_trace_arguments, trace_from_args
 from proto.config import DTYPE_CHOICES, SCHEDULING_POLICIES, EngineConfig
 from proto.errors import ValidationError
+from proto.trace import TraceEntry, save_trace
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -39,7 +40,7 @@ def batch_sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_trace_arguments(parser, request_rate=4.0)
+    add_trace_arguments(parser, TraceSpec(request_rate=4.0))
     defaults = EngineConfig()
     parser.add_argument("--model-dir", default=None,
                         help="HF model directory or cached id (default: SmolLM2-135M-Instruct)")

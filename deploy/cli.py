@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import signal
-import subprocess
 import sys
-from pathlib import Path
 
 from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
@@ -159,19 +156,12 @@ def serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def simulate(simulator_args: list[str]) -> int:
-    """`conveyor simulate ARGS` runs the scheduler's slot simulator in its own process: deploy
-    may not import scheduler_proc, and the simulator parses (and refuses) its own arguments."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, "-m", "scheduler_proc.tools.simulate", *simulator_args]
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, env=env, check=False).returncode
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:
-        return simulate(argv[1:])
+        from deploy import simulate
+
+        return simulate.run(argv[1:])
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="serve a model over the OpenAI API"))

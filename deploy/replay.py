@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from deploy.bench_report import summarize
-from deploy.trace import TraceEntry
+from proto.trace import TraceEntry
 
 COMPLETIONS_ENDPOINT = "/v1/completions"
 

@@ -1,22 +1,21 @@
-"""Benchmark traces: prompt lengths, output lengths and arrival times, saved as JSONL."""
+"""The workload generator: prompt lengths, output lengths and arrival times drawn from a seed.
+
+The one generator behind `conveyor bench` (which replays the trace against a server) and
+`conveyor simulate` (which hands it to the slot simulator as a file); the file format and its
+reader are the contract in `proto.trace`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from proto.trace import TraceEntry, load_trace
+
 OUTPUT_DISTS = ("heavy", "uniform")
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    arrival_s: float  # offset from the start of the run
-    prompt_token_ids: list[int]
-    output_len: int
 
 
 @dataclass(frozen=True)
@@ -75,61 +74,22 @@ def _output_len(spec: TraceSpec, rng: random.Random) -> int:
     return max(1, min(spec.output_max, round(drawn)))
 
 
-def save_trace(entries: list[TraceEntry], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as out:
-        for entry in entries:
-            out.write(json.dumps(asdict(entry)) + "\n")
-
-
-def load_trace(path: Path) -> list[TraceEntry]:
-    entries = []
-    with open(path) as src:
-        for line_no, line in enumerate(src, 1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-                entry = TraceEntry(float(raw["arrival_s"]), [int(t) for t in raw["prompt_token_ids"]],
-                                   int(raw["output_len"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a trace entry: {exc}") from exc
-            problem = _entry_problem(entry)
-            if problem:
-                raise ValueError(f"{path}:{line_no}: {problem}")
-            entries.append(entry)
-    if not entries:
-        raise ValueError(f"{path} holds no trace entries")
-    return entries
-
-
-def _entry_problem(entry: TraceEntry) -> str:
-    if not (math.isfinite(entry.arrival_s) and entry.arrival_s >= 0):
-        return f"arrival_s must be a finite number >= 0, got {entry.arrival_s}"
-    if not entry.prompt_token_ids:
-        return "prompt_token_ids is empty"
-    if min(entry.prompt_token_ids) < 0:
-        return f"prompt_token_ids holds a negative id {min(entry.prompt_token_ids)}"
-    if entry.output_len < 1:
-        return f"output_len must be >= 1, got {entry.output_len}"
-    return ""
-
-
-def add_trace_arguments(parser: argparse.ArgumentParser, request_rate: float = math.inf) -> None:
-    """The flags that make (or load) a trace; shared by `conveyor bench` and `bench sweep`."""
-    spec = TraceSpec()
-    parser.add_argument("--num-prompts", type=int, default=spec.num_prompts)
-    parser.add_argument("--request-rate", type=float, default=request_rate,
-                        help=f"requests/s, Poisson arrivals (inf: one burst; default {request_rate})")
-    parser.add_argument("--prompt-len-min", type=int, default=spec.prompt_len_min)
-    parser.add_argument("--prompt-len-max", type=int, default=spec.prompt_len_max)
-    parser.add_argument("--output-dist", choices=OUTPUT_DISTS, default=spec.output_dist,
+def add_trace_arguments(parser: argparse.ArgumentParser, defaults: TraceSpec = TraceSpec()) -> None:
+    """The flags that make (or load) a trace, defaulting to `defaults`; shared by `conveyor bench`,
+    `bench sweep` and `conveyor simulate`."""
+    rate = defaults.request_rate
+    parser.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
+    parser.add_argument("--request-rate", type=float, default=rate,
+                        help=f"requests/s, Poisson arrivals (inf: one burst; default {rate})")
+    parser.add_argument("--prompt-len-min", type=int, default=defaults.prompt_len_min)
+    parser.add_argument("--prompt-len-max", type=int, default=defaults.prompt_len_max)
+    parser.add_argument("--output-dist", choices=OUTPUT_DISTS, default=defaults.output_dist,
                         help="heavy: lognormal output lengths; uniform: all the same length")
-    parser.add_argument("--output-median", type=int, default=spec.output_median)
-    parser.add_argument("--output-sigma", type=float, default=spec.output_sigma)
-    parser.add_argument("--output-max", type=int, default=spec.output_max)
-    parser.add_argument("--seed", type=int, default=spec.seed)
-    parser.add_argument("--shared-prefix-len", type=int, default=0,
+    parser.add_argument("--output-median", type=int, default=defaults.output_median)
+    parser.add_argument("--output-sigma", type=float, default=defaults.output_sigma)
+    parser.add_argument("--output-max", type=int, default=defaults.output_max)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--shared-prefix-len", type=int, default=defaults.shared_prefix_len,
                         help="tokens of a prefix every prompt shares (e.g. a system prompt), "
                              "before its own --prompt-len-min..max tokens")
     parser.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead")

@@ -1,1 +1,2 @@
-"""conveyor's cross-process contract: config, sampling params, messages, logprob entries, codec, sockets."""
+"""conveyor's cross-process contract: config, sampling params, messages, logprob entries, codec,
+sockets, the trace file."""

@@ -57,7 +57,7 @@ ALLOWED_MODULE_COUPLINGS = {
     ("deploy", "worker_proc"): "the supervisor starts one worker process per rank",
     ("deploy", "worker_proc.tools.convert_gguf"): "the default model's GGUF is converted with torch, "
                                                   "in a worker-side process",
-    ("deploy", "scheduler_proc.tools.simulate"): "`conveyor simulate` runs the slot simulator",
+    ("deploy", "scheduler_proc.tools.simulate"): "`conveyor simulate` runs the slot simulator on its trace",
     ("scheduler_proc", "worker_proc"): "bench_overhead times the scheduler against a null-model worker",
     ("worker_proc", "scheduler_proc.tools.bench_overhead"): "profile_step adds the scheduler's per-step "
                                                             "overhead to its report",

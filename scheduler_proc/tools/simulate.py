@@ -1,13 +1,17 @@
-"""The slot simulator: the real SchedulerEngine, static vs continuous, on the same arrivals.
+"""The slot simulator: the real SchedulerEngine, static vs continuous, on the same trace.
 
-    python -m scheduler_proc.tools.simulate --num-requests 64 --num-slots 8 [--lengths heavy|uniform]
+    conveyor simulate --num-prompts 64 --num-slots 8 [--output-dist heavy|uniform]
+    python -m scheduler_proc.tools.simulate --trace TRACE.jsonl --num-slots 8 [--step-ms 50]
 
+`conveyor simulate` draws the workload with deploy's trace generator and hands it over as a
+trace file (the format of proto.trace), which this program reads: it draws nothing itself.
 No model and no worker: every plan the engine makes is answered at once with a synthetic
 StepResult (one ordinary token per sampling member), so a "step" is one schedule/apply round of
-the real policy code. Each request asks for `max_tokens` = its drawn length with `ignore_eos`,
-so it generates exactly that many tokens. Per step the simulator records which seat holds which
-request and whether the seat is generating, finished-but-held (a static batch's padding) or
-idle, then prints the comparison and draws one PNG timeline per policy.
+the real policy code, and a request arriving at `arrival_s` joins the waiting queue at step
+floor(arrival_s / step duration). Each request asks for `max_tokens` = its `output_len` with
+`ignore_eos`, so it generates exactly that many tokens. Per step the simulator records which seat
+holds which request and whether the seat is generating, finished-but-held (a static batch's
+padding) or idle, then prints the comparison and draws one PNG timeline per policy.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import numpy as np
 from proto.config import EngineConfig
 from proto.messages import AddRequest, StepPlan, StepResult
 from proto.sampling import SamplingParams
+from proto.trace import TraceEntry, load_trace
 from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.engine import SchedulerEngine
 
 IDLE, GENERATING, HELD = 0, 1, 2  # seat states in a timeline
 POLICIES = ("static", "continuous")
-LENGTH_DISTS = ("heavy", "uniform")
+DEFAULT_STEP_MS = 50.0
 MAX_TOTAL_TOKENS = 200_000  # about 15 s at worst (one slot): long, but never an apparent hang
 MAX_ARRIVAL_STEPS = 100_000
 MAX_TIMELINE_CELLS = 50_000_000  # slots x steps bound; keeps the timelines within ~250 MB
@@ -38,51 +43,33 @@ _VOCAB_SIZE = 1 << 16
 
 
 @dataclass(frozen=True)
-class WorkloadSpec:
-    num_requests: int = 64
-    lengths: str = "heavy"  # heavy: lognormal; uniform: every request the same length
-    length_median: int = 16
-    length_sigma: float = 1.0
-    length_max: int = 256
-    arrival_steps: int = 16  # requests arrive evenly over steps [0, arrival_steps)
-    prompt_len: int = 1
-    seed: int = 0
-
-    def validate(self) -> None:
-        checks = [
-            (self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
-            (self.lengths in LENGTH_DISTS, f"--lengths must be one of {LENGTH_DISTS}, got {self.lengths!r}"),
-            (1 <= self.length_median <= self.length_max,
-             f"lengths need 1 <= --length-median <= --length-max, got {self.length_median}, {self.length_max}"),
-            (self.length_sigma >= 0, f"--length-sigma must be >= 0, got {self.length_sigma}"),
-            (1 <= self.arrival_steps <= MAX_ARRIVAL_STEPS,
-             f"--arrival-steps must be in [1, {MAX_ARRIVAL_STEPS}], got {self.arrival_steps}"),
-            (self.prompt_len >= 1, f"--prompt-len must be >= 1, got {self.prompt_len}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-
-@dataclass(frozen=True)
 class Workload:
+    """A trace in steps. Request i is the i-th to arrive (ties keep the trace's order)."""
+
     arrival_steps: list[int]  # per request, non-decreasing
     lengths: list[int]  # per request: tokens it generates
-    prompt_len: int
+    prompts: list[np.ndarray]  # per request: int32 [prompt_len] token ids
 
 
-def make_workload(spec: WorkloadSpec) -> Workload:
-    spec.validate()
-    rng = random.Random(spec.seed)
-    lengths = [spec.length_median if spec.lengths == "uniform" else
-               max(1, min(spec.length_max, round(rng.lognormvariate(math.log(spec.length_median),
-                                                                    spec.length_sigma))))
-               for _ in range(spec.num_requests)]
+def workload_from_trace(entries: list[TraceEntry], step_ms: float = DEFAULT_STEP_MS) -> Workload:
+    """The trace's requests in arrival order, their arrivals counted in steps of `step_ms`.
+    Raises ValueError for a step duration or a workload the simulator cannot run."""
+    if not (math.isfinite(step_ms) and step_ms > 0):
+        raise ValueError(f"--step-ms must be a finite number > 0, got {step_ms}")
+    if not entries:
+        raise ValueError("the trace holds no requests")
+    ordered = sorted(entries, key=lambda entry: entry.arrival_s)
+    # The epsilon keeps an arrival exactly on a step boundary (0.15 s at 50 ms) on that step.
+    arrivals = [math.floor(entry.arrival_s * 1000.0 / step_ms + 1e-9) for entry in ordered]
+    lengths = [entry.output_len for entry in ordered]
+    if arrivals[-1] >= MAX_ARRIVAL_STEPS:
+        raise ValueError(f"the last request arrives at step {arrivals[-1]}; the simulator takes at most "
+                         f"{MAX_ARRIVAL_STEPS} steps of arrivals (a higher --request-rate or longer --step-ms)")
     if sum(lengths) > MAX_TOTAL_TOKENS:
         raise ValueError(f"the workload generates {sum(lengths)} tokens; the simulator takes at most "
-                         f"{MAX_TOTAL_TOKENS} (fewer --num-requests or shorter lengths)")
-    arrivals = [index * spec.arrival_steps // spec.num_requests for index in range(spec.num_requests)]
-    return Workload(arrivals, lengths, spec.prompt_len)
+                         f"{MAX_TOTAL_TOKENS} (fewer --num-prompts or shorter outputs)")
+    prompts = [np.asarray(entry.prompt_token_ids, dtype=np.int32) for entry in ordered]
+    return Workload(arrivals, lengths, prompts)
 
 
 @dataclass(frozen=True)
@@ -142,16 +129,19 @@ class SeatMap:
 
 
 def simulation_config(workload: Workload, num_slots: int, policy: str) -> EngineConfig:
-    """KV blocks and token budget large enough that only the seat limit and the policy matter."""
-    max_len = workload.prompt_len + max(workload.lengths)
+    """KV blocks and token budget large enough that only the seat limit and the policy matter:
+    every prompt is computed in one step, and no two requests share cached blocks."""
+    max_prompt_len = max(len(prompt) for prompt in workload.prompts)
+    max_len = max(len(prompt) + length for prompt, length in zip(workload.prompts, workload.lengths))
     block_size = 16
     blocks_per_request = blocks_for_tokens(max_len, block_size) + 1
     return EngineConfig(
         model="simulator", scheduling=policy, max_num_seqs=num_slots, block_size=block_size,
         num_kv_blocks=(num_slots + 1) * blocks_per_request,
-        max_num_batched_tokens=num_slots * (workload.prompt_len + 1), max_model_len=max_len,
+        max_num_batched_tokens=num_slots * (max_prompt_len + 1), max_model_len=max_len,
         max_num_waiting=len(workload.lengths), enable_prefix_caching=False,
-        vocab_size=_VOCAB_SIZE, eos_token_ids=())
+        vocab_size=max(_VOCAB_SIZE, max(int(prompt.max()) for prompt in workload.prompts) + 1),
+        eos_token_ids=())
 
 
 def max_num_steps(workload: Workload) -> int:
@@ -206,10 +196,8 @@ def _request_id(index: int) -> str:
 
 
 def _add(engine: SchedulerEngine, workload: Workload, index: int) -> None:
-    # Distinct prompts, so no two requests could ever share cached blocks.
-    prompt = np.arange(index, index + workload.prompt_len, dtype=np.int32) % _VOCAB_SIZE  # int32 [prompt_len]
     params = SamplingParams(max_tokens=workload.lengths[index], temperature=0.0, ignore_eos=True)
-    engine.add(AddRequest(_request_id(index), prompt, params, 0.0))
+    engine.add(AddRequest(_request_id(index), workload.prompts[index], params, 0.0))
 
 
 def _record(engine: SchedulerEngine, plan: StepPlan, seats: SeatMap, column: np.ndarray,
@@ -232,18 +220,13 @@ def _answer(engine: SchedulerEngine, plan: StepPlan, step: int, finish_steps: di
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    spec = WorkloadSpec()
-    parser = argparse.ArgumentParser(prog="conveyor simulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=spec.num_requests)
+    parser = argparse.ArgumentParser(prog="python -m scheduler_proc.tools.simulate",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, required=True,
+                        help="the workload, a JSONL trace (`conveyor simulate` writes one)")
     parser.add_argument("--num-slots", type=int, default=8, help="seats in the batch (max_num_seqs)")
-    parser.add_argument("--lengths", choices=LENGTH_DISTS, default=spec.lengths)
-    parser.add_argument("--length-median", type=int, default=spec.length_median)
-    parser.add_argument("--length-sigma", type=float, default=spec.length_sigma)
-    parser.add_argument("--length-max", type=int, default=spec.length_max)
-    parser.add_argument("--arrival-steps", type=int, default=spec.arrival_steps,
-                        help="requests arrive evenly over the first this many steps (1 = all at once)")
-    parser.add_argument("--prompt-len", type=int, default=spec.prompt_len)
-    parser.add_argument("--seed", type=int, default=spec.seed)
+    parser.add_argument("--step-ms", type=float, default=DEFAULT_STEP_MS,
+                        help="simulated duration of one step, to count the trace's arrivals in steps")
     parser.add_argument("--within-steps", type=int, default=0,
                         help="K of completed-within-K-steps (0 = the faster policy's total steps)")
     parser.add_argument("--out-dir", type=Path, default=Path("."), help="where the PNG timelines go")
@@ -253,21 +236,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    spec = WorkloadSpec(args.num_requests, args.lengths, args.length_median, args.length_sigma,
-                        args.length_max, args.arrival_steps, args.prompt_len, args.seed)
     try:
         if args.within_steps < 0:
             raise ValueError(f"--within-steps must be >= 0, got {args.within_steps}")
-        workload = make_workload(spec)
+        workload = workload_from_trace(load_trace(args.trace), args.step_ms)
         check_slots(workload, args.num_slots)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"conveyor simulate: {exc}", file=sys.stderr)
         return 2
     results = [simulate(workload, args.num_slots, policy) for policy in POLICIES]
     within_steps = args.within_steps or min(r.num_steps for r in results)
     from scheduler_proc.tools.simulate_report import report, write_timeline
 
-    print(report(spec, args.num_slots, results, within_steps))
+    print(report(workload, args.step_ms, args.num_slots, results, within_steps))
     if not args.no_plot:
         num_steps_axis = max(r.num_steps for r in results)  # one x scale, so lengths compare
         for result in results:

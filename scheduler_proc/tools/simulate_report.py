@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_proc.tools.simulate import GENERATING, SimResult, WorkloadSpec
+from scheduler_proc.tools.simulate import GENERATING, SimResult, Workload
 
 # Display codes: the seat states of scheduler_proc.tools.simulate (IDLE 0, GENERATING 1, HELD 2), plus
 # 3 for a generating seat's every other occupant, so consecutive requests in one seat show apart.
@@ -20,22 +20,29 @@ LEGEND = (("#2b7bba", "generating (shade changes: the next request boarded)"),
           ("#e6550d", "finished, still holding the seat"), ("#e8e8e8", "idle"))
 
 
-def report(spec: WorkloadSpec, num_slots: int, results: list[SimResult], within_steps: int) -> str:
-    """The printed comparison, one column per policy."""
-    lengths = ("uniform lengths of " + str(spec.length_median) if spec.lengths == "uniform" else
-               f"heavy-tailed lengths (lognormal, median {spec.length_median}, sigma {spec.length_sigma}, "
-               f"max {spec.length_max})")
+def report(workload: Workload, step_ms: float, num_slots: int, results: list[SimResult],
+           within_steps: int) -> str:
+    """The printed comparison, one column per policy, under a line saying what the trace holds."""
+    lengths = sorted(workload.lengths)
+    prompt_lens = [len(prompt) for prompt in workload.prompts]
     rows = [("steps until all finished", lambda r: str(r.num_steps)),
             (f"completed within {within_steps} steps", lambda r: f"{r.completed_within(within_steps)}"
                                                                 f"/{len(r.finish_steps)}"),
             ("slot utilisation", lambda r: f"{100 * r.slot_utilisation:.1f}%"),
             ("padding waste", lambda r: f"{100 * r.padding_waste:.1f}%"),
             ("mean latency (steps)", lambda r: f"{r.mean_latency_steps:.1f}")]
-    lines = [f"{spec.num_requests} requests, {lengths}, arriving over steps 0..{spec.arrival_steps - 1}; "
-             f"{num_slots} slots; prompts of {spec.prompt_len} token(s); seed {spec.seed}",
+    median = "" if lengths[0] == lengths[-1] else f" (median {lengths[len(lengths) // 2]})"
+    lines = [f"{len(lengths)} requests, output lengths {_span(lengths)}{median}, "
+             f"prompts of {_span(prompt_lens)} token(s), arriving over steps 0..{workload.arrival_steps[-1]} "
+             f"({step_ms:g} ms a step); {num_slots} slots",
              f"{'':<32}" + "".join(f"{r.policy:>12}" for r in results)]
     lines += [f"{name:<32}" + "".join(f"{cell(r):>12}" for r in results) for name, cell in rows]
     return "\n".join(lines)
+
+
+def _span(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}..{high}"
 
 
 def display_codes(result: SimResult) -> np.ndarray:
