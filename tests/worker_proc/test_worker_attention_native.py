@@ -100,7 +100,7 @@ def run_step(backend: AttentionBackend, plan: StepPlan, block_size: int, dtype: 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [
-    (2, 2, 64), (6, 2, 64), (16, 2, 64), (8, 1, 128),  # GQA groups 1, 3, 8 and 8; vector paths
+    (2, 2, 64), (6, 2, 64), (16, 2, 64), (8, 1, 128), (16, 1, 32),  # GQA groups 1, 3, 8, 8, 16; vector paths
     (4, 2, 16),  # the tiny model's shape: AVX2 covers it, AVX512 only in fp32
     (3, 3, 8), (6, 2, 24),  # head_dims no vector path covers: the portable loop
 ])

@@ -3,7 +3,11 @@
  * both dtypes share one code shape. A tile of 8 K rows is read once for the KV head's whole GQA
  * group (bf16 tiles widened once into a small fp32 buffer); each row's q.k gives 8 partial sums and
  * the tile's 8 vectors are reduced together by two hadd levels and one cross-lane add. Probabilities
- * are rounded to bf16 before p.v on bf16 models, as the torch reference rounds them. */
+ * are rounded to bf16 before p.v on bf16 models, as the torch reference rounds them. Consecutive
+ * queries of one member (a prefill chunk's) are attended as a block: every K tile then serves each
+ * query head of every query in the block while it is in L1, and the V rows read for the block's
+ * first query are still in L2 for the others, so the block reads its member's K and V from memory
+ * once instead of once per query. */
 #include "paged_attention.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -59,10 +63,11 @@ ALWAYS_INLINE __m256 valid_lanes(int start, int n) {  /* all-ones in lanes start
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - start), lane));
 }
 
-/* Scaled scores of G query heads (query: [G][C] fp32 chunks) over positions [0, n), and their max. */
+/* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's
+ * max over its own positions [0, n_of[g]) (n_of[g] <= n). */
 ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *keys, int n, int stride,
-                             const __m256 *query, float *scores, float *top, const int G, const int C,
-                             const int BF16) {
+                             const __m256 *query, const int *n_of, float *scores, float *top, const int G,
+                             const int C, const int BF16) {
     const int dim = LANES * C, bytes = BF16 ? 2 : 4;
     float widened[LANES][LANES * MAX_CHUNKS];
     __m256 max[MAX_GROUP];
@@ -87,7 +92,10 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
                 v[i] = acc;
             }
             __m256 s = reduce_tile(v);  /* lanes past n repeat position n - 1: a real score */
-            max[g] = _mm256_max_ps(max[g], s);
+            if (n_of[g] == n) max[g] = _mm256_max_ps(max[g], s);
+            else if (start < n_of[g])  /* a shorter row of the block: its later positions do not count */
+                max[g] = _mm256_max_ps(max[g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s,
+                                                                valid_lanes(start, n_of[g])));
             _mm256_storeu_ps(scores + g * stride + start, s);
         }
     }
@@ -98,11 +106,13 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
         for (int i = 1; i < LANES; i++) top[g] = lanes[i] > top[g] ? lanes[i] : top[g];
     }
 }
-/* scores -> unnormalised probabilities in place (zero past n, bf16-rounded on bf16); their sums. */
-ALWAYS_INLINE void softmax_numerators(float *scores, int n, int stride, const float *top, float *total,
-                                      const int G, const int BF16) {
+/* scores -> unnormalised probabilities in place (zero past row g's n_of[g], bf16-rounded on bf16);
+ * their sums. */
+ALWAYS_INLINE void softmax_numerators(float *scores, const int *n_of, int stride, const float *top,
+                                      float *total, const int G, const int BF16) {
     for (int g = 0; g < G; g++) {
         __m256 max = _mm256_set1_ps(top[g]), sum = _mm256_setzero_ps();
+        const int n = n_of[g];
         for (int start = 0; start < n; start += LANES) {
             float *s = scores + g * stride + start;
             __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s), max)), valid_lanes(start, n));
@@ -149,48 +159,75 @@ ALWAYS_INLINE void pv_heads(const Args *a, const int32_t *table, const char *val
     for (int c0 = 0; c0 < C; c0 += CB)
         pv_columns(a, table, values, n, stride, probs, total, out_row, G, C, c0, CB, BF16);
 }
-/* One query against one KV head: its G query heads, rows of C 8-element chunks. */
-ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, float *scores,
-                                 const int C, const int BF16) {
-    const int G = a->num_heads / a->num_kv_heads, bytes = BF16 ? 2 : 4, dim = LANES * C;
-    const int n = a->context_lens[query], stride = padded(n);
+/* count consecutive queries of one member against one KV head: G query heads each, rows of C
+ * 8-element chunks. */
+ALWAYS_INLINE void attend_block(const Args *a, int64_t first, int count, int kv_head, float *scores,
+                                const int C, const int BF16) {
+    const int G = a->num_heads / a->num_kv_heads, P = count * G, bytes = BF16 ? 2 : 4, dim = LANES * C;
+    int n_of[MAX_GROUP], n = 0;
+    for (int r = 0; r < P; r++) {
+        n_of[r] = a->context_lens[first + r / G];
+        n = n_of[r] > n ? n_of[r] : n;
+    }
+    const int stride = padded(n);
     const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
-    const char *q = (const char *)a->q + (query * a->q_token_stride + (int64_t)kv_head * G * dim) * bytes;
-    const int32_t *table = table_of(a, query);
+    const int32_t *table = table_of(a, first);
     __m256 query_chunks[MAX_GROUP * MAX_CHUNKS];
     float top[MAX_GROUP], total[MAX_GROUP];
-    for (int g = 0; g < G; g++)
+    for (int r = 0; r < P; r++) {
+        const char *q = (const char *)a->q + ((first + r / G) * a->q_token_stride
+                                              + ((int64_t)kv_head * G + r % G) * dim) * bytes;
         for (int c = 0; c < C; c++)
-            query_chunks[g * C + c] = _mm256_mul_ps(load8(q + (g * dim + LANES * c) * bytes, BF16),
-                                                    _mm256_set1_ps(a->scale));
-    qk_scores(a, table, keys, n, stride, query_chunks, scores, top, G, C, BF16);
-    softmax_numerators(scores, n, stride, top, total, G, BF16);
-    char *out = (char *)a->out + (query * a->num_heads + (int64_t)kv_head * G) * dim * bytes;
-    for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
-        int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
-        const float *p = scores + g0 * stride;
-        char *o = out + g0 * dim * bytes;
-        if (heads == 1) pv_heads(a, table, values, n, stride, p, total + g0, o, 1, C, BF16);
-        else if (heads == 2) pv_heads(a, table, values, n, stride, p, total + g0, o, 2, C, BF16);
-        else if (heads == 3) pv_heads(a, table, values, n, stride, p, total + g0, o, 3, C, BF16);
-        else pv_heads(a, table, values, n, stride, p, total + g0, o, 4, C, BF16);
+            query_chunks[r * C + c] = _mm256_mul_ps(load8(q + LANES * c * bytes, BF16), _mm256_set1_ps(a->scale));
+    }
+    qk_scores(a, table, keys, n, stride, query_chunks, n_of, scores, top, P, C, BF16);
+    softmax_numerators(scores, n_of, stride, top, total, P, BF16);
+    for (int j = 0; j < count; j++) {
+        char *out = (char *)a->out + ((first + j) * a->num_heads + (int64_t)kv_head * G) * dim * bytes;
+        const int nj = n_of[j * G];
+        for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
+            int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
+            const float *p = scores + (j * G + g0) * stride;
+            const float *t = total + j * G + g0;
+            char *o = out + g0 * dim * bytes;
+            if (heads == 1) pv_heads(a, table, values, nj, stride, p, t, o, 1, C, BF16);
+            else if (heads == 2) pv_heads(a, table, values, nj, stride, p, t, o, 2, C, BF16);
+            else if (heads == 3) pv_heads(a, table, values, nj, stride, p, t, o, 3, C, BF16);
+            else pv_heads(a, table, values, nj, stride, p, t, o, 4, C, BF16);
+        }
     }
 }
 #define VARIANT(C, B) \
-    static void attend_##B##_##C(const Args *a, int64_t m, int h, float *s) { attend_vector(a, m, h, s, C, B); }
+    static void attend_##B##_##C(const Args *a, int64_t m, int h, float *s) { attend_block(a, m, 1, h, s, C, B); } \
+    static void block_##B##_##C(const Args *a, int64_t m, int k, int h, float *s) { attend_block(a, m, k, h, s, C, B); }
 VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0) VARIANT(16, 0)
 VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
 
-/* The kernel for this dtype and shape: head_dim 16, 32, 64 or 128. */
+static int shape_index(int group, int head_dim) {  /* head_dim 16, 32, 64 or 128; else -1 */
+    if (group < 1 || group > MAX_GROUP) return -1;
+    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
+        if (head_dim == dim) return i;
+    return -1;
+}
+/* The kernel for this dtype and shape: one query per call. */
 Attend avx2_variant(int bf16, int group, int head_dim) {
     static const Attend variants[2][4] = {{attend_0_2, attend_0_4, attend_0_8, attend_0_16},
                                           {attend_1_2, attend_1_4, attend_1_8, attend_1_16}};
-    if (group < 1 || group > MAX_GROUP) return NULL;
-    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
-        if (head_dim == dim) return variants[bf16 ? 1 : 0][i];
-    return NULL;
+    int i = shape_index(group, head_dim);
+    return i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
+}
+/* The same kernel for blocks of up to MAX_GROUP / group queries. */
+AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
+    static const AttendBlock variants[2][4] = {{block_0_2, block_0_4, block_0_8, block_0_16},
+                                               {block_1_2, block_1_4, block_1_8, block_1_16}};
+    int i = shape_index(group, head_dim);
+    return i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
 }
 #else
 Attend avx2_variant(int bf16, int group, int head_dim) { (void)bf16, (void)group, (void)head_dim; return NULL; }
+AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
+    (void)bf16, (void)group, (void)head_dim;
+    return NULL;
+}
 #endif

@@ -1,7 +1,8 @@
 /* Paged attention for the CPU, the driver: checks every read against the cache and block tables,
- * picks the widest path compiled for (AVX512, AVX2, else portable C) and splits the step's work
- * items, (query, KV head) pairs, into contiguous runs of about equal context, one per OpenMP
- * thread (torch's own pool once torch is loaded: the same libgomp soname). Shapes and layouts:
+ * picks the widest path compiled for (AVX512, AVX2, else portable C), groups consecutive queries of
+ * one member into blocks where the path attends blocks, and splits the step's work items, (query
+ * block, KV head) pairs, into contiguous runs of about equal context, one per OpenMP thread
+ * (torch's own pool once torch is loaded: the same libgomp soname). Shapes and layouts:
  * paged_attention.h. */
 #include <stdlib.h>
 #if defined(_OPENMP)
@@ -11,6 +12,7 @@
 #include "paged_attention.h"
 
 #define MAX_THREADS 64
+#define QUERY_BLOCK 4  /* queries per block at most: a block's scores stay in L2 */
 
 enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEMORY = -4,
               BAD_MEMBER = -5, BAD_BLOCK = -6 };
@@ -54,15 +56,29 @@ static int check_reads(const Args *a, int64_t num_tokens, int64_t num_seqs, int6
     return status;
 }
 
-/* bounds[t]..bounds[t + 1]: thread t's items, runs of about equal total context. */
-static void split_items(const Args *a, int64_t items, int num_threads, int64_t *bounds) {
+/* Query blocks: starts[b]..starts[b + 1] are block b's queries, at most per_block consecutive
+ * queries of one member; weights[b] their total context. Returns the number of blocks. */
+static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int64_t *starts, int64_t *weights) {
+    int64_t num_blocks = 0;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (t == 0 || t - starts[num_blocks - 1] == per_block || a->token_members[t] != a->token_members[t - 1])
+            starts[num_blocks] = t, weights[num_blocks++] = 0;
+        weights[num_blocks - 1] += a->context_lens[t];
+    }
+    starts[num_blocks] = num_tokens;
+    return num_blocks;
+}
+
+/* bounds[t]..bounds[t + 1]: thread t's items (item i: block i / num_kv_heads), runs of about equal
+ * total context. */
+static void split_items(const Args *a, const int64_t *weights, int64_t items, int num_threads, int64_t *bounds) {
     int64_t total = 0, done = 0, item = 0;
-    for (int64_t i = 0; i < items; i++) total += a->context_lens[i / a->num_kv_heads];
+    for (int64_t i = 0; i < items; i++) total += weights[i / a->num_kv_heads];
     bounds[0] = 0;
     for (int t = 0; t < num_threads; t++) {
         int64_t goal = total * (t + 1) / num_threads;
         for (; item < items; item++) {
-            int n = a->context_lens[item / a->num_kv_heads];
+            int64_t n = weights[item / a->num_kv_heads];
             if (t < num_threads - 1 && done + n / 2 >= goal) break;
             done += n;
         }
@@ -87,12 +103,18 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     int group = num_heads / num_kv_heads, max_context = 1;
     for (int64_t t = 0; t < num_tokens; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     Attend attend;
-    path_for(bf16, group, head_dim, &attend);
-    int64_t items = num_tokens * num_kv_heads, bounds[MAX_THREADS + 1];
+    AttendBlock attend_block = path_for(bf16, group, head_dim, &attend) == AVX2
+                               ? avx2_block_variant(bf16, group, head_dim) : NULL;
+    int per_block = attend_block == NULL ? 1 : MAX_GROUP / group < QUERY_BLOCK ? MAX_GROUP / group : QUERY_BLOCK;
+    int64_t *starts = malloc(((size_t)num_tokens + 1) * 2 * sizeof *starts);
+    if (starts == NULL) return NO_MEMORY;
+    int64_t *weights = starts + num_tokens + 1;
+    int64_t items = make_blocks(&args, num_tokens, per_block, starts, weights) * num_kv_heads;
+    int64_t bounds[MAX_THREADS + 1];
     num_threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
     if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
-    split_items(&args, items, num_threads, bounds);
-    size_t scores_bytes = (size_t)group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
+    split_items(&args, weights, items, num_threads, bounds);
+    size_t scores_bytes = (size_t)per_block * group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -103,9 +125,13 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
         float *scores = malloc(scores_bytes);
         failed |= scores == NULL;
         for (int t = first; scores != NULL && t < num_threads; t += step)
-            for (int64_t i = bounds[t]; i < bounds[t + 1]; i++)
-                attend(&args, i / num_kv_heads, (int)(i % num_kv_heads), scores);
+            for (int64_t i = bounds[t]; i < bounds[t + 1]; i++) {
+                int64_t b = i / num_kv_heads, query = starts[b];
+                if (attend_block != NULL) attend_block(&args, query, (int)(starts[b + 1] - query), (int)(i % num_kv_heads), scores);
+                else attend(&args, query, (int)(i % num_kv_heads), scores);
+            }
         free(scores);
     }
+    free(starts);
     return failed ? NO_MEMORY : OK;
 }

@@ -29,10 +29,16 @@ typedef struct {
 /* One (query, KV head) work item. scores: float [group][stride] then bf16 [group][stride], stride =
  * the query's context rounded up to TILE. */
 typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
+/* One (block of count consecutive queries of one member, KV head) work item: each K/V row is read
+ * from memory once for the whole block rather than once per query (a prefill chunk's queries share
+ * their prefix). scores: float [count * group][stride], stride = the block's longest context rounded
+ * up to TILE. */
+typedef void (*AttendBlock)(const Args *, int64_t first_query, int count, int kv_head, float *scores);
 
 /* The vectorised path for this dtype and shape on the ISA compiled for, or NULL. */
 Attend avx512_variant(int bf16, int group, int head_dim);
 Attend avx2_variant(int bf16, int group, int head_dim);
+AttendBlock avx2_block_variant(int bf16, int group, int head_dim);
 void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
 
 static inline float bf16_to_f32(uint16_t x) {

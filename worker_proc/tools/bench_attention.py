@@ -1,0 +1,98 @@
+"""Time the native paged-attention kernel alone, and builds of it side by side in one run.
+
+    python -m worker_proc.tools.bench_attention
+    git worktree add /tmp/before HEAD~1
+    python -m worker_proc.tools.bench_attention --sources /tmp/before/worker_proc/csrc,worker_proc/csrc
+
+Each source directory is compiled (or reused from the build cache) and loaded into this process;
+every case then runs each build in turn, repeat after repeat, and keeps each build's fastest call,
+so that the builds share the machine's noise. Cases: one prefill chunk from position 0 (token t of
+the chunk attends to t + 1 positions) and a decode batch (every member one query over the same
+context), on the default model's attention shape unless told otherwise, block tables shuffled
+over the cache. The outputs of every build are compared with the first build's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from worker_proc.attention.native_build import SOURCE_DIR, build
+from worker_proc.attention.native_kernel import PagedAttentionKernel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+Case = tuple[torch.Tensor, ...]  # q, out, k_cache, v_cache, block_tables, token_members, context_lens
+
+
+def make_case(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> Case:
+    """Random q and caches, and the tables of a prefill chunk or a decode batch."""
+    if kind == "prefill":
+        num_seqs, longest = 1, args.prefill_tokens
+        token_members = torch.zeros(longest, dtype=torch.int32)
+        context_lens = torch.arange(1, longest + 1, dtype=torch.int32)
+    else:
+        num_seqs, longest = args.decode_seqs, args.decode_context
+        token_members = torch.arange(num_seqs, dtype=torch.int32)
+        context_lens = torch.full((num_seqs,), longest, dtype=torch.int32)
+    blocks_per_seq = -(-longest // args.block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(num_seqs, blocks_per_seq).contiguous()
+    cache_shape = (args.num_kv_heads, num_blocks * args.block_size, args.head_dim)
+    k_cache, v_cache = torch.randn(cache_shape).to(dtype), torch.randn(cache_shape).to(dtype)
+    q = torch.randn(len(token_members), args.num_heads, args.head_dim).to(dtype)
+    return q, torch.empty_like(q), k_cache, v_cache, block_tables, token_members, context_lens
+
+
+def time_builds(kernels: list[PagedAttentionKernel], case: Case, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Each build's fastest call in seconds, and its largest difference from the first build's output."""
+    q, out, k_cache, v_cache, block_tables, token_members, context_lens = case
+    best, outputs = [float("inf")] * len(kernels), []
+    for repeat in range(args.repeats):
+        for index, kernel in enumerate(kernels):
+            start = time.perf_counter()
+            kernel(q, out, k_cache, v_cache, block_tables, token_members, context_lens, args.block_size,
+                   args.num_threads)
+            best[index] = min(best[index], time.perf_counter() - start)
+            if repeat == 0:
+                outputs.append(out.float().clone())
+    return best, [float((o - outputs[0]).abs().max()) for o in outputs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker_proc.tools.bench_attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sources", default=str(SOURCE_DIR),
+                        help="comma-separated kernel source directories to compare (default: this checkout's)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--num-heads", type=int, default=9)
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--decode-context", type=int, default=512)
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.num_threads)
+    sources = [Path(part) for part in args.sources.split(",") if part]
+    kernels = [PagedAttentionKernel(ctypes.CDLL(str(build(source_dir=s))), s, None) for s in sources]
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        for kind in ("prefill", "decode"):
+            best, diffs = time_builds(kernels, make_case(kind, args, DTYPES[dtype_name]), args)
+            rows.append({"dtype": dtype_name, "case": kind,
+                         "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
+                         "max_abs_diff_from_first": diffs})
+            print(json.dumps(rows[-1]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
