@@ -113,6 +113,9 @@ class OutputRouter:
         self._routes: dict[str, RequestRoute] = {}
         self._listeners: list[EngineListener] = []
         self.latest_stats: EngineStats | None = None
+        # Outputs for ids with no open route: requests this process ended already (a client
+        # disconnect, a stop string) or never sent (an earlier frontend's, after a restart).
+        self.num_unknown_outputs = 0
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -152,7 +155,7 @@ class OutputRouter:
             listener.on_protocol_error()
 
     def route(self, outputs: StepOutputs, received_s: float) -> None:
-        """Queue each output for its (request, choice); outputs of ended requests are moot."""
+        """Queue each output for its (request, choice); outputs of unknown requests are dropped."""
         self.latest_stats = EngineStats(
             outputs.step_id, outputs.num_running, outputs.num_waiting, outputs.num_waiting_tokens,
             outputs.kv_cache_usage, outputs.num_preemptions_total, outputs.step_duration_s,
@@ -171,6 +174,9 @@ class OutputRouter:
         for row, request_id in enumerate(outputs.request_ids):
             route = self._routes.get(request_id)
             if route is None:
+                self.num_unknown_outputs += 1
+                logger.debug("dropping an output for request %s, which is not in flight here (%d so far)",
+                             request_id, self.num_unknown_outputs)
                 continue
             choice = choices[row]
             if not 0 <= choice < route.num_choices:
