@@ -9,6 +9,13 @@ pause from the kill to the next token, split into the time until the new group s
 is 200 again: the supervisor noticed, the worker started, loaded the weights and reported its KV
 cache) and the rest (recomputing the prompt and the tokens already generated, then the next decode),
 next to the stream's median inter-token latency.
+
+    conveyor bench recovery --process frontend --trials 5
+
+SIGKILLs the frontend instead, with no request in flight, and reports per trial the time from the
+kill until GET /health answers 200 again (the supervisor noticed within its 0.2 s watch poll,
+started a new frontend on the same port, which loaded the tokenizer, said hello to the scheduler
+and reported ready).
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None,
                         help="HF model directory or cached id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=EngineConfig().dtype)
-    parser.add_argument("--trials", type=int, default=3, help="streams, one worker kill each")
+    parser.add_argument("--process", choices=("worker", "frontend"), default="worker",
+                        help="the process to SIGKILL once per trial")
+    parser.add_argument("--trials", type=int, default=3, help="trials, one kill each")
     parser.add_argument("--kill-after-tokens", type=int, default=30, help="tokens streamed before the kill")
     parser.add_argument("--max-tokens", type=int, default=120, help="tokens per stream (ignore_eos)")
     parser.add_argument("--port", type=int, default=0, help="server port (0 = any free port)")
@@ -53,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         with Stack(config) as stack, _watched(stack):
-            trials = [_trial(stack, config.served_model_name, args) for _ in range(args.trials)]
+            if args.process == "frontend":
+                trials = [_frontend_trial(stack) for _ in range(args.trials)]
+            else:
+                trials = [_trial(stack, config.served_model_name, args) for _ in range(args.trials)]
     except (ModelError, StartupError, OSError, RuntimeError) as exc:
         print(f"conveyor bench recovery: {exc}", file=sys.stderr)
         return 1
-    summary = {"model": config.model, "dtype": config.dtype, "trials": trials,
-               "kill_to_next_token_s_median": statistics.median(t["kill_to_next_token_s"] for t in trials),
-               "command": " ".join(sys.argv)}
+    key = "kill_to_health_200_s" if args.process == "frontend" else "kill_to_next_token_s"
+    summary = {"model": config.model, "dtype": config.dtype, "process": args.process, "trials": trials,
+               f"{key}_median": statistics.median(t[key] for t in trials), "command": " ".join(sys.argv)}
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -69,7 +81,8 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     info = read_model_info(model_dir)
     return EngineConfig(model=str(model_dir), served_model_name=model_dir.name, dtype=args.dtype,
                         max_model_len=info.max_position_embeddings, vocab_size=info.vocab_size,
-                        eos_token_ids=info.eos_token_ids, port=args.port or _free_port(), log_level="warning")
+                        eos_token_ids=info.eos_token_ids, port=args.port or _free_port(), log_level="warning",
+                        max_restarts=max(EngineConfig().max_restarts, args.trials))
 
 
 @contextmanager
@@ -111,6 +124,24 @@ def _trial(stack: Stack, model: str, args: argparse.Namespace) -> dict:
             "kill_to_serving_s": round(serving_at[0] - killed_at, 3) if serving_at[0] else None,
             "serving_to_next_token_s": round(next_token - serving_at[0], 3) if serving_at[0] else None,
             "median_itl_s": round(statistics.median(gaps), 4)}
+
+
+def _frontend_trial(stack: Stack) -> dict:
+    """SIGKILL the frontend; seconds until /health is 200 again (polled every 20 ms)."""
+    frontend = next(child for child in stack.children if child.name == "frontend")
+    old_pid = frontend.process.pid
+    os.kill(old_pid, signal.SIGKILL)
+    killed_at, deadline = time.monotonic(), time.monotonic() + 300
+    while time.monotonic() < deadline:
+        restarted = frontend.process.pid != old_pid  # the supervisor replaced it
+        try:
+            up = restarted and httpx.get(f"{stack.url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if up:
+            return {"kill_to_health_200_s": round(time.monotonic() - killed_at, 3)}
+        time.sleep(0.02)
+    raise RuntimeError("the frontend did not come back within 300 s")
 
 
 def _kill_rank0(stack: Stack) -> float:

@@ -4,7 +4,8 @@
 fresh Python processes (node 0: the scheduler, its share of the tensor-parallel workers and the
 frontend; any other node: its workers only, which reach node 0 over TCP), waits until each
 reports ProcessReady on the control channel, and on exit stops them all (frontend first so
-in-flight requests drain) and kills whatever outlives the shutdown timeout.
+in-flight requests drain) and kills whatever outlives the shutdown timeout. While it watches, a
+lost worker group or frontend is replaced, within one restart budget (deploy/restarts.py).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Stack:
         self.failure = ""  # why the stack is stopping, when a process died or reported failure
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
         self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed that worker
+        self.num_frontend_restarts = 0  # handed to each new frontend for its process_restarts_total
 
     @property
     def url(self) -> str:
@@ -177,8 +179,9 @@ class Stack:
         while not should_stop():
             reported = self._reported_failure(poll_s)
             dead = self.dead_child()
-            if dead is not None and dead.module == "worker_proc" and not reported:
-                reported = self._replace_workers(dead)
+            if dead is not None and dead.module in ("worker_proc", "frontend") and not reported:
+                replace = self._replace_workers if dead.module == "worker_proc" else self._restart_frontend
+                reported = replace(dead)
                 if not reported:
                     continue
                 dead = None
@@ -195,6 +198,8 @@ class Stack:
         message = None if frame is None else self.decode_control(frame)
         if isinstance(message, RestartWorkers):
             self._kill_ranks(message.ranks.tolist(), message.reason)
+        elif isinstance(message, ProcessReady):  # a replaced process is back
+            log.info("%s ready (pid %d) %s", message.name, message.pid, message.detail)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
 
     def _workers(self) -> list[Child]:
@@ -229,6 +234,22 @@ class Stack:
             if child.log_file is not None:
                 child.log_file.close()
             self._spawn(child)
+        return ""
+
+    def _restart_frontend(self, dead: Child) -> str:
+        """The frontend died, and its clients' connections with it (the scheduler aborts their
+        requests itself, seeing the process gone): start a new one on the same port, told how
+        many restarts came before it. '' once started, else why the stack must stop."""
+        cause = dead.describe_exit()
+        if not self.restarts.allow(cause):
+            return self.restarts.exhausted(cause)
+        log.error("%s; restarting the frontend (restart %d, at most %d within %.0f s)", cause,
+                  self.restarts.num_restarts_total, self.restarts.max_restarts, self.restarts.window_s)
+        self.num_frontend_restarts += 1
+        dead.extra_args = ["--restarts", str(self.num_frontend_restarts)]
+        if dead.log_file is not None:
+            dead.log_file.close()
+        self._spawn(dead)
         return ""
 
     def decode_control(self, frame: bytes) -> ProcessReady | ProcessFailed | None:

@@ -1,5 +1,6 @@
-"""How often the supervisor may replace a lost worker group: at most max_restarts within a sliding
-window of restart_window_s; the next fault stops the stack, naming the last causes."""
+"""How often the supervisor may replace a lost process (a worker group or the frontend, one budget
+for both): at most max_restarts within a sliding window of restart_window_s; the next fault stops
+the stack, naming the last causes."""
 
 from __future__ import annotations
 
@@ -30,5 +31,5 @@ class RestartBudget:
     def exhausted(self, cause: str) -> str:
         """Why the stack stops: this cause and the ones restarted for within the window."""
         earlier = "; ".join(recent_cause for _, recent_cause in self._recent) or "none"
-        return (f"{cause}; that is more than --max-restarts {self.max_restarts} worker group "
-                f"restarts within {self.window_s:.0f} s (--restart-window); earlier causes: {earlier}")
+        return (f"{cause}; that is more than --max-restarts {self.max_restarts} restarts within "
+                f"{self.window_s:.0f} s (--restart-window); earlier causes: {earlier}")

@@ -23,7 +23,10 @@ logger = logging.getLogger("frontend")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    config = EngineConfig.from_json(parser.parse_args(argv).config)
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="how often the supervisor has restarted the frontend before this one")
+    args = parser.parse_args(argv)
+    config = EngineConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_with_parent()
@@ -32,17 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     link = SupervisorLink(config.runtime_dir)
     try:
-        return _serve(config, link)
+        return _serve(config, link, args.restarts)
     finally:
         link.close()
 
 
-def _serve(config: EngineConfig, link: SupervisorLink) -> int:
+def _serve(config: EngineConfig, link: SupervisorLink, num_restarts: int) -> int:
     try:
         tokenizer = Tokenizer.from_dir(config.model)
         engine = ZmqEngineClient(config.runtime_dir, dead_after_s=config.step_timeout_s + ALIVE_TIMEOUT_S,
                                  max_frame_bytes=sockets.max_frame_bytes(config))
         app = create_app(config, engine, tokenizer)
+        app.state.conveyor.metrics.frontend_restarts.inc(num_restarts)
         listen_socket = bind_listen_socket(config.host, config.port)
     except (OSError, ValueError) as exc:
         logger.error("frontend failed to start: %s", exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -15,7 +16,7 @@ import zmq.asyncio
 from frontend.engine_outputs import EngineDelta, EngineListener, OutputRouter
 from proto import codec, sockets
 from proto.errors import ProtocolError
-from proto.messages import AbortRequest, AddRequest, SchedulerStats, StepOutputs
+from proto.messages import AbortRequest, AddRequest, FrontendHello, SchedulerStats, StepOutputs
 from proto.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class ZmqEngineClient:
         outputs = sockets.connect(self._context, zmq.PULL, self._runtime_dir, sockets.OUTPUTS,
                                   self._max_frame_bytes)
         self._outputs = zmq.asyncio.Socket.from_socket(outputs)
+        # First on the connection, before any request: the scheduler aborts what an earlier
+        # frontend left unfinished and from now on watches this process.
+        self._send(FrontendHello(os.getpid()))
         self._started_s = time.monotonic()
         self._receiver = asyncio.create_task(self._receive_loop(), name="engine-outputs")
 
@@ -185,7 +189,7 @@ class ZmqEngineClient:
             except Exception:  # a routing bug must not stop every other request's outputs
                 logger.exception("error while routing scheduler outputs")
 
-    def _send(self, message: AddRequest | AbortRequest) -> None:
+    def _send(self, message: AddRequest | AbortRequest | FrontendHello) -> None:
         if self._requests is None:
             raise EngineUnavailableError("the engine client is not started")
         try:

@@ -98,6 +98,9 @@ class OutputRouter:
         self._routes: dict[str, RequestRoute] = {}
         self._listeners: list[EngineListener] = []
         self.latest_stats: SchedulerStats | None = None  # of the last message (a step or a heartbeat)
+        # Outputs for ids with no open route: requests this process ended already (a client
+        # disconnect, a stop string) or never sent (an earlier frontend's, after a restart).
+        self.num_unknown_outputs = 0
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -137,7 +140,7 @@ class OutputRouter:
             listener.on_protocol_error()
 
     def route(self, outputs: StepOutputs, received_s: float) -> None:
-        """Queue each output for its (request, choice); outputs of ended requests are moot."""
+        """Queue each output for its (request, choice); outputs of unknown requests are dropped."""
         self.latest_stats = outputs.stats
         for request_id in _queued_request_ids(outputs):  # before this message's tokens
             route = self._routes.get(request_id)
@@ -153,6 +156,9 @@ class OutputRouter:
         for row, request_id in enumerate(outputs.request_ids):
             route = self._routes.get(request_id)
             if route is None:
+                self.num_unknown_outputs += 1
+                logger.debug("dropping an output for request %s, which is not in flight here (%d so far)",
+                             request_id, self.num_unknown_outputs)
                 continue
             choice = choices[row]
             if not 0 <= choice < route.num_choices:

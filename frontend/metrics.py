@@ -94,6 +94,8 @@ class FrontendMetrics:
                                         "Processes replaced after a fault, by process.",
                                         ("model_name", "process"), registry=self.registry)
         self.worker_restarts = self.process_restarts.labels(model_name, "worker")
+        # The supervisor counts the frontend's own restarts and hands the total to each new one.
+        self.frontend_restarts = self.process_restarts.labels(model_name, "frontend")
         self.requests_recovered = counter("requests_recovered_total",
                                           "Running sequences requeued (tokens kept) when their worker "
                                           "group was replaced.")

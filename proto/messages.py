@@ -1,7 +1,7 @@
 """Every cross-process message, as a frozen dataclass; nested parts are frozen dataclasses too.
 
 Channels (one writer role, one reader role each; proto.sockets names what each reader accepts):
-  frontend  -> scheduler : AddRequest, AbortRequest
+  frontend  -> scheduler : AddRequest, AbortRequest, FrontendHello (first, once per frontend)
   scheduler -> worker[r] : StepPlan (the same plan to every rank)
   worker    -> scheduler : WorkerReady (every rank, once), StepResult (every rank, every step)
   scheduler -> frontend  : StepOutputs (every step, plus idle heartbeats)
@@ -220,7 +220,16 @@ class RestartWorkers:
     reason: str
 
 
+@dataclass(frozen=True)
+class FrontendHello:
+    """Frontend -> scheduler, the first message of every frontend process: the requests still
+    unfinished belong to an earlier frontend (their clients are gone) and are aborted; `pid` is
+    the process the scheduler watches so that it aborts this frontend's requests if it dies."""
+
+    pid: int
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, AbortRequest, StepPlan, StepResult, WorkerReady, StepOutputs,
-    ProcessReady, ProcessFailed, RestartWorkers,
+    ProcessReady, ProcessFailed, RestartWorkers, FrontendHello,
 )

@@ -10,8 +10,8 @@ import zmq
 
 from proto import codec, transport
 from proto.config import EngineConfig
-from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, RestartWorkers,
-                            StepOutputs, StepPlan, StepResult, WorkerReady)
+from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
+                            RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)
@@ -19,7 +19,7 @@ RESULTS = "results"  # workers -> scheduler (PUSH/PULL)
 CONTROL = "control"  # children -> supervisor (PUSH/PULL)
 
 # What a reader accepts on each channel (codec.decode's `expected`); anything else is a protocol error.
-REQUEST_MESSAGES = (AddRequest, AbortRequest)
+REQUEST_MESSAGES = (AddRequest, AbortRequest, FrontendHello)
 OUTPUT_MESSAGES = (StepOutputs,)
 RESULT_MESSAGES = (WorkerReady, StepResult)
 PLAN_MESSAGES = (StepPlan,)

@@ -124,6 +124,12 @@ class SchedulerEngine:
                 if choice_index in (ALL_CHOICES, request.choice_index):
                     self._finish(request, FinishReason.ABORT, now=now)
 
+    def abort_all(self) -> int:
+        """Abort every unfinished request (their frontend is gone); how many requests that was."""
+        request_ids = list(self._requests)
+        self.abort(request_ids)
+        return len(request_ids)
+
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to compute."""
         if self._in_flight is not None:

@@ -15,9 +15,10 @@ import zmq
 from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.messages import (AbortRequest, AddRequest, ProcessFailed, ProcessReady, RestartWorkers,
-                            StepOutputs, StepPlan, StepResult, WorkerReady)
+from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
+                            RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
 from scheduler_proc.engine import SchedulerEngine
+from scheduler_proc.frontend_watch import FrontendWatch
 
 Message = TypeVar("Message")
 
@@ -51,6 +52,7 @@ class SchedulerLoop:
         self._worker_pids: dict[int, int] = {}  # rank -> pid of the group serving now
         self._workers_serving = False  # False until the group is ready, and while it is replaced
         self.num_worker_restarts = 0  # worker groups lost and replaced
+        self._frontend = FrontendWatch(_process_alive)
 
     def request_stop(self) -> None:
         """Ask the loop to finish; safe to call from a signal handler or another thread."""
@@ -196,6 +198,7 @@ class SchedulerLoop:
         engine = self.engine
         while not self._should_exit():
             self._drain_requests()
+            self._watch_frontend()
             pending = engine.drain_outputs()
             if pending is not None:
                 self._send_outputs(pending)
@@ -220,9 +223,36 @@ class SchedulerLoop:
                     self.engine.add(add)
                 case AbortRequest() as abort:
                     self.engine.abort(abort.request_ids, abort.choice_indices.tolist())
+                case FrontendHello() as hello:
+                    self._greet_frontend(hello.pid)
+
+    def _greet_frontend(self, pid: int) -> None:
+        """A frontend (re)started. Its hello comes before its requests on its one connection, so
+        whatever is unfinished now came from an earlier frontend: a second line behind
+        _watch_frontend, which aborts a dead frontend's requests without waiting for the next one."""
+        logger.info("frontend pid %d connected", pid)
+        self._abort_frontend_requests(f"a new frontend (pid {pid}) connected")
+        self._frontend.greet(pid)
+
+    def _watch_frontend(self) -> None:
+        """A frontend that died (SIGKILL, crash) took its clients' connections with it: abort its
+        requests now (FrontendWatch looks every 0.25 s), not when the supervisor's new one starts."""
+        pid = self._frontend.take_exited()
+        if pid is not None:
+            self._abort_frontend_requests(f"the frontend (pid {pid}) exited")
+
+    def _abort_frontend_requests(self, why: str) -> None:
+        """Abort every unfinished request, freeing seats and KV blocks now. Their terminal outputs
+        are dropped: no living frontend knows their ids."""
+        num_aborted = self.engine.abort_all()
+        if num_aborted:
+            logger.warning("%s: aborted %d unfinished requests (their clients are gone)", why, num_aborted)
+        if self.engine.drain_outputs() is not None:
+            logger.debug("dropped the terminal outputs of requests with no frontend")
 
     def _serve_frontend_only(self) -> None:
         self._drain_requests()
+        self._watch_frontend()
         pending = self.engine.drain_outputs()
         if pending is not None:
             self._send_outputs(pending, wait=False)
@@ -330,9 +360,10 @@ class SchedulerLoop:
             outputs = dataclasses.replace(outputs, stats=stats)
         if self._should_exit():
             outputs = dataclasses.replace(outputs, engine_stopping=True)
-        if self._send_frame(self._outputs, codec.encode(outputs), deadline):
+        # A dead frontend's outputs are not waited for: its requests are aborted next iteration.
+        if self._send_frame(self._outputs, codec.encode(outputs), deadline, self._frontend.exited):
             self._last_sent_s = time.monotonic()
-        elif outputs.num_outputs:
+        elif outputs.num_outputs and not self._frontend.exited():
             logger.error("the frontend did not take outputs for %s; they are lost", outputs.request_ids)
 
     def _send_frame(self, sock: zmq.Socket, frame: bytes, deadline: float,

@@ -24,7 +24,7 @@ from frontend.app import create_app
 from frontend.tokenizer import Tokenizer
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import AddRequest, SchedulerStats, StepOutputs
+from proto.messages import AddRequest, FrontendHello, SchedulerStats, StepOutputs
 
 REPLY_TEXT = "Paris is the capital of France."
 
@@ -107,7 +107,8 @@ class FakeScheduler(threading.Thread):
 
     def __init__(self, runtime_dir: str) -> None:
         super().__init__(daemon=True)
-        self.received: list[object] = []
+        self.received: list[object] = []  # requests and aborts
+        self.hellos: list[FrontendHello] = []
         self.heartbeats = True
         self.answer_delay_s = 0.0
         self.stop = threading.Event()
@@ -129,6 +130,9 @@ class FakeScheduler(threading.Thread):
         self._context.term()
 
     def _on_message(self, message: object) -> None:
+        if isinstance(message, FrontendHello):
+            self.hellos.append(message)
+            return
         self.received.append(message)
         if isinstance(message, AddRequest) and message.prompt_token_ids[0] != 0:
             due = time.monotonic() + self.answer_delay_s

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from frontend.engine_client import EngineDelta, ZmqEngineClient
-from proto.messages import AbortRequest, AddRequest
+from proto.messages import AbortRequest, AddRequest, FrontendHello
 from proto.sampling import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -43,6 +44,11 @@ async def test_generate_round_trips_through_a_scheduler(fake_scheduler, engine_c
     assert added.prompt_token_ids.tolist() == [5, 6, 7] and added.sampling_params == params
     assert engine_client.num_protocol_errors == 1  # the scheduler's garbage frame, survived
     assert engine_client.latest_stats is not None and engine_client.num_in_flight == 0
+
+
+async def test_the_client_says_hello_with_its_pid_before_any_request(fake_scheduler, engine_client):
+    await wait_until(lambda: fake_scheduler.hellos)
+    assert fake_scheduler.hellos == [FrontendHello(os.getpid())] and not fake_scheduler.received
 
 
 async def test_abort_reaches_the_scheduler_and_ends_the_stream(fake_scheduler, engine_client):

@@ -93,3 +93,13 @@ async def test_listeners_see_every_message_even_for_requests_no_longer_routed():
     router.route(seventh, 1.0)
     router.protocol_error()
     assert seen == [7, -99] and router.latest_stats == seventh.stats
+
+
+async def test_outputs_of_requests_not_in_flight_here_are_dropped_and_counted():
+    router = OutputRouter()
+    # e.g. an earlier frontend's requests, still in the scheduler's queue when this one started
+    deltas = await collect(router, "mine", 1, [outputs([("earlier", 0, [3], "abort"), ("mine", 0, [4], ""),
+                                                        ("earlier-2", 0, [5], "")]),
+                                               outputs([("mine", 0, [6], "length")])])
+    assert [d.token_ids for d in deltas] == [[4], [6]]
+    assert router.num_unknown_outputs == 2 and len(router) == 0
