@@ -54,6 +54,15 @@ class SequenceGrammar:
                                f"violates the grammar: {_reason(self._matcher.get_error())}")
         self.num_consumed_tokens += 1
 
+    def accept(self, token_id: int) -> str:
+        """advance, with the GrammarError's message returned instead of raised ("" = consumed):
+        the Request's transition records it, the stop rule ends the request with "error"."""
+        try:
+            self.advance(token_id)
+        except GrammarError as exc:
+            return str(exc)
+        return ""
+
     def replay(self, token_ids: list[int]) -> None:
         """Advance over a sequence's output tokens, e.g. after a scheduler restart."""
         for token_id in token_ids:
