@@ -50,8 +50,8 @@ class Constraints:
     def masks(self, requests: Sequence[Request], rows: Sequence[int]) -> GrammarMasks:
         """The bitmask rows of the constrained sampling members `rows` (indices into `requests`).
 
-        A matcher that fails while computing its mask fails its request (Request.fail_grammar,
-        which ends it with "error" when the step's token comes back); its row allows every token
+        A matcher that fails while computing its mask fails its request (SequenceGrammar.fail,
+        and the stop rule ends it with "error" when the step's token comes back); its row allows every token
         meanwhile, so the step itself goes ahead for the whole batch.
         """
         from scheduler_proc.grammar import GrammarError, bitmask_words
@@ -63,7 +63,7 @@ class Constraints:
             try:
                 request.grammar.fill_row(bitmask[index])
             except GrammarError as exc:
-                request.fail_grammar(str(exc))
+                request.grammar.fail(str(exc))
                 bitmask[index] = -1
         return GrammarMasks(np.asarray(rows, dtype=np.int32), bitmask.shape[1], bitmask.reshape(-1))
 

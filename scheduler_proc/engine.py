@@ -274,7 +274,7 @@ class SchedulerEngine:
             self._outputs.add_event(request.request_id, request.choice_index, EVENT_FIRST_TOKEN, now)
         reason = stop_reason(request)
         if reason is FinishReason.ERROR:  # its grammar failed: the token it rejected is not output
-            return self._finish(request, reason, request.grammar_error, now=now)
+            return self._finish(request, reason, request.grammar.error, now=now)
         if reason:
             return self._finish(request, reason, token_id=token_id, now=now)
         return self._outputs.add_token(request, token_id)

@@ -45,6 +45,7 @@ class SequenceGrammar:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
         self.num_consumed_tokens = 0
+        self.error = ""  # set once by accept or fail: the sequence ends with "error" (stop.stop_reason)
 
     def advance(self, token_id: int) -> None:
         """Consume one accepted token; GrammarError when the grammar rejects it (the mask should
@@ -54,14 +55,19 @@ class SequenceGrammar:
                                f"violates the grammar: {_reason(self._matcher.get_error())}")
         self.num_consumed_tokens += 1
 
-    def accept(self, token_id: int) -> str:
-        """advance, with the GrammarError's message returned instead of raised ("" = consumed):
-        the Request's transition records it, the stop rule ends the request with "error"."""
+    def accept(self, token_id: int) -> None:
+        """advance from the Request's transition: a GrammarError is recorded in `error`, not
+        raised, and once failed the matcher consumes nothing more."""
+        if self.error:
+            return
         try:
             self.advance(token_id)
         except GrammarError as exc:
-            return str(exc)
-        return ""
+            self.error = str(exc)
+
+    def fail(self, error_message: str) -> None:
+        """The matcher failed outside advance (computing a mask)."""
+        self.error = self.error or error_message
 
     def replay(self, token_ids: list[int]) -> None:
         """Advance over a sequence's output tokens, e.g. after a scheduler restart."""

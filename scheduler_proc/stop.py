@@ -59,7 +59,7 @@ def stop_reason(request: Request) -> FinishReason:
     case, the mask allows it only where the grammar accepts.
     """
     num_tokens, grammar = request.num_tokens, request.grammar
-    if grammar is not None and request.grammar_error:
+    if grammar is not None and grammar.error:
         return FinishReason.ERROR
     if (request.last_token_id in request.stop_token_ids
             and num_tokens - request.num_prompt_tokens > request.sampling_params.min_tokens):
