@@ -218,3 +218,10 @@ def test_an_unconstrained_step_carries_the_shared_empty_masks_and_builds_no_tabl
     plan = harness.engine.schedule()
     assert plan is not None and plan.grammar is NO_MASKS
     assert not harness.engine.constraints.is_built
+
+
+def test_a_request_keeps_at_most_30_attributes_so_its_instances_share_dict_keys() -> None:
+    from scheduler_proc.request import Request
+
+    request = Request("r", np.array([1, 2], dtype=np.int32), SamplingParams(), seed=0)
+    assert len(vars(request)) <= 30, sorted(vars(request))  # CPython 3.11's shared-keys limit
