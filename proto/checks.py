@@ -110,6 +110,22 @@ def _check_plan(plan: messages.StepPlan) -> None:
     _need(int(plan.num_scheduled_tokens.sum()) == len(plan.input_ids),
           "StepPlan.input_ids length differs from the sum of num_scheduled_tokens")
     _check_offsets("StepPlan.cu_block_ids", plan.cu_block_ids, n, len(plan.block_ids))
+    _check_grammar_masks(plan)
+
+
+def _check_grammar_masks(plan: messages.StepPlan) -> None:
+    """Rows name distinct sampling members; the bitmask holds `words` words per row. Its width
+    against the vocab is the worker's check: only it knows its logits' width."""
+    masks = plan.grammar
+    rows, num_rows = masks.rows, len(masks.rows)
+    if not num_rows and not len(masks.bitmask):
+        return
+    _check_rows("StepPlan.grammar.rows", rows, plan.num_seqs)
+    _need(len(np.unique(rows)) == num_rows, "StepPlan.grammar.rows repeats a member")
+    _need(bool(plan.sample_mask[rows].all()), "StepPlan.grammar constrains a member that does not sample")
+    _need(masks.words > 0 and len(masks.bitmask) == num_rows * masks.words,
+          f"StepPlan.grammar.bitmask needs {num_rows} rows of {masks.words} words (words > 0), "
+          f"got {len(masks.bitmask)} words")
 
 
 def _check_rows(where: str, rows: np.ndarray, num_rows: int) -> None:

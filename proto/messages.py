@@ -16,6 +16,7 @@ from enum import IntEnum, StrEnum
 import numpy as np
 
 from proto.arrays import BoolArray, Float64Array, Int32Array, UInt8Array, empty
+from proto.grammar import GrammarSpec
 from proto.logprobs import LogprobEntries
 from proto.sampling import SamplingParams
 from proto.sampling_columns import SamplingColumns
@@ -59,6 +60,7 @@ class AddRequest:
     prompt_token_ids: Int32Array  # [num_prompt_tokens]
     sampling_params: SamplingParams
     arrival_time_s: float  # wall clock (time.time()) when the frontend received it
+    grammar: GrammarSpec | None = None  # the output constraint, checked by the frontend
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,29 @@ class AbortRequest:
 
     request_ids: list[str]
     choice_indices: Int32Array = field(default_factory=empty(np.int32))  # [num_request_ids] or empty
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """The allowed next tokens of the plan's constrained members (structured output).
+
+    Row i constrains member rows[i], which samples this step; its packed bitmask is
+    bitmask[i * words:(i + 1) * words] (bit t % 32 of word t // 32 is 1 when token t is allowed,
+    words = ceil(vocab_size / 32), which the worker checks against its vocab). Flat on the wire
+    because the codec carries 1-D arrays; `matrix` is the [num_constrained, words] view. Empty
+    when no member is constrained, the common case, which costs three empty fields.
+    """
+
+    rows: Int32Array = field(default_factory=empty(np.int32))  # [num_constrained] member indices, distinct
+    words: int = 0  # int32 words per row
+    bitmask: Int32Array = field(default_factory=empty(np.int32))  # [num_constrained * words]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def matrix(self) -> np.ndarray:
+        return self.bitmask.reshape(len(self.rows), self.words)  # int32 [num_constrained, words]
 
 
 @dataclass(frozen=True)
@@ -88,6 +113,7 @@ class StepPlan:
     block_ids: Int32Array  # [total_blocks]
     sample_mask: BoolArray  # [num_seqs] member reaches the end of its known tokens
     sampling: SamplingColumns
+    grammar: GrammarMasks = field(default_factory=GrammarMasks)
 
     @property
     def num_seqs(self) -> int:

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from proto.config import EngineConfig
 from proto.messages import AddRequest
 from scheduler_proc.request import Request
+
+if TYPE_CHECKING:
+    from scheduler_proc.grammar import SequenceGrammar
 
 
 def choice_seed(seed: int, choice_index: int) -> int:
@@ -28,14 +33,16 @@ def choice_seed(seed: int, choice_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def make_choices(message: AddRequest, seed: int, config: EngineConfig) -> list[Request]:
-    """Choice 0 (WAITING) and its siblings (HELD, listed in choice 0's held_siblings)."""
+def make_choices(message: AddRequest, seed: int, config: EngineConfig,
+                 grammars: Sequence[SequenceGrammar] = ()) -> list[Request]:
+    """Choice 0 (WAITING) and its siblings (HELD, listed in choice 0's held_siblings); with
+    `grammars` (a constrained request), choice i owns matcher grammars[i]."""
     params = message.sampling_params
 
     def choice(index: int, leader: Request | None) -> Request:
         return Request(message.request_id, message.prompt_token_ids, params, seed=choice_seed(seed, index),
                        eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len,
-                       choice_index=index, leader=leader)
+                       choice_index=index, leader=leader, grammar=grammars[index] if grammars else None)
 
     leader = choice(0, None)
     siblings = [choice(index, leader) for index in range(1, params.n)]

@@ -17,6 +17,7 @@ from proto.messages import (ALL_CHOICES, ERROR_NONE, EVENT_FIRST_TOKEN, EVENT_PR
 from scheduler_proc.admission import rejection_reason
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.choices import make_choices
+from scheduler_proc.constraints import Constraints
 from scheduler_proc.logprobs import entries_error, forward_entries
 from scheduler_proc.outputs import HEARTBEAT_STEP_ID, OutputBuffer, OutputOwner
 from scheduler_proc.plan_builder import build_plan
@@ -54,8 +55,10 @@ class SchedulerEngine:
     until the batch ends, by design). Lifecycle events use the scheduler's wall clock.
     """
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, rng: random.Random | None = None) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, rng: random.Random | None = None,
+                 constraints: Constraints | None = None) -> None:
         self.config = config
+        self.constraints = constraints or Constraints(config)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.queues = RequestQueues()
         self.policy = make_policy(config, self.block_manager, self.queues)
@@ -96,6 +99,9 @@ class SchedulerEngine:
         if duplicate:
             logger.warning("duplicate request id %r rejected", request_id)
             reason, error_code = f"request id {request_id!r} is already in use", ERROR_NONE
+        grammars: list = []
+        if not reason and message.grammar is not None:  # the frontend compiled it first: this is the fallback
+            grammars, reason = self.constraints.start(message.grammar, params.n)
         if reason:
             for choice_index in range(params.n):
                 self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, FinishReason.ERROR, reason, now,
@@ -104,7 +110,7 @@ class SchedulerEngine:
         # A drawn seed is kept for the request's life, so recompute after preemption resamples
         # exactly the same tokens.
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        choices = make_choices(message, seed, self.config)
+        choices = make_choices(message, seed, self.config, grammars)
         for choice in choices:
             self.constants.assign(choice)
             self._outputs.add_event(request_id, choice.choice_index, EVENT_QUEUED, now)
@@ -142,7 +148,7 @@ class SchedulerEngine:
             self._outputs.add_event(victim.request_id, victim.choice_index, EVENT_PREEMPTED, now)
         if not batch:
             return None
-        plan = build_plan(self._next_step_id, batch, self.constants)
+        plan = build_plan(self._next_step_id, batch, self.constants, self.constraints)
         self._in_flight = _InFlightStep(self._next_step_id, batch, sum(batch.sample), time.perf_counter())
         self._next_step_id += 1
         return plan
@@ -273,6 +279,8 @@ class SchedulerEngine:
         if request.num_tokens == request.num_prompt_tokens + 1:
             self._outputs.add_event(request.request_id, request.choice_index, EVENT_FIRST_TOKEN, now)
         reason = stop_reason(request)
+        if reason is FinishReason.ERROR:  # its grammar failed: the token it rejected is not output
+            return self._finish(request, reason, request.grammar.error, now=now)
         if reason:
             return self._finish(request, reason, token_id=token_id, now=now)
         return self._outputs.add_token(request, token_id)

@@ -45,6 +45,7 @@ class SequenceGrammar:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
         self.num_consumed_tokens = 0
+        self.error = ""  # set once by accept or fail: the sequence ends with "error" (stop.stop_reason)
 
     def advance(self, token_id: int) -> None:
         """Consume one accepted token; GrammarError when the grammar rejects it (the mask should
@@ -53,6 +54,20 @@ class SequenceGrammar:
             raise GrammarError(f"token {token_id} at output position {self.num_consumed_tokens} "
                                f"violates the grammar: {_reason(self._matcher.get_error())}")
         self.num_consumed_tokens += 1
+
+    def accept(self, token_id: int) -> None:
+        """advance from the Request's transition: a GrammarError is recorded in `error`, not
+        raised, and once failed the matcher consumes nothing more."""
+        if self.error:
+            return
+        try:
+            self.advance(token_id)
+        except GrammarError as exc:
+            self.error = str(exc)
+
+    def fail(self, error_message: str) -> None:
+        """The matcher failed outside advance (computing a mask)."""
+        self.error = self.error or error_message
 
     def replay(self, token_ids: list[int]) -> None:
         """Advance over a sequence's output tokens, e.g. after a scheduler restart."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from proto.messages import StepPlan
 from proto.sampling_columns import LogitBias, PenaltyHistory, SamplingColumns
+from scheduler_proc.constraints import NO_MASKS, Constraints
 from scheduler_proc.plan_constants import HAS_BIAS, HAS_PENALTIES, NUM_PARAMS, PADDING_ROW, PlanConstants
 from scheduler_proc.request import Request
 from scheduler_proc.scheduled_batch import ScheduledBatch
@@ -16,8 +17,10 @@ from scheduler_proc.stop import active_bias
 _EMPTY_INT32 = np.empty(0, dtype=np.int32)
 
 
-def build_plan(step_id: int, batch: ScheduledBatch, constants: PlanConstants) -> StepPlan:
-    """The plan every rank receives. Members keep the batch order."""
+def build_plan(step_id: int, batch: ScheduledBatch, constants: PlanConstants,
+               constraints: Constraints | None = None) -> StepPlan:
+    """The plan every rank receives. Members keep the batch order. Constrained members that
+    sample get a bitmask row (none in the common case: NO_MASKS, nothing computed)."""
     assert len(batch), "a plan needs at least one member"
     requests = batch.requests
     num_scheduled = np.array(batch.num_scheduled_tokens, dtype=np.int32)  # int32 [num_seqs]
@@ -33,6 +36,7 @@ def build_plan(step_id: int, batch: ScheduledBatch, constants: PlanConstants) ->
         block_ids=block_ids,
         sample_mask=sample_mask,
         sampling=_sampling_columns(batch, constants, sample_mask),
+        grammar=constraints.masks(requests, batch.grammar_rows) if batch.grammar_rows else NO_MASKS,
     )
 
 

@@ -26,6 +26,7 @@ class ScheduledBatch:
         self.chunk_rows: list[int] = []  # members computing more than one token
         self.padding_rows: list[int] = []
         self.prompt_logprob_rows: list[int] = []  # members whose prompt logprobs are still owed
+        self.grammar_rows: list[int] = []  # constrained members that sample this step
         self.newly_scheduled: list[Request] = []  # sequences scheduled for the first time ever
         self.num_tokens = 0
 
@@ -46,7 +47,10 @@ class ScheduledBatch:
         self.requests.append(request)
         self.num_computed_tokens.append(num_computed_tokens)
         self.num_scheduled_tokens.append(num_scheduled_tokens)
-        self.sample.append(num_computed_tokens + num_scheduled_tokens == request.num_tokens)
+        samples = num_computed_tokens + num_scheduled_tokens == request.num_tokens
+        self.sample.append(samples)
+        if samples and request.grammar is not None:
+            self.grammar_rows.append(row)
         self.num_tokens += num_scheduled_tokens
         if num_scheduled_tokens == 1:
             self.single_token_ids.append(request.token_at(num_computed_tokens))
@@ -59,6 +63,8 @@ class ScheduledBatch:
         """add() for the common member: one token, the last known one, with its KV slot there."""
         if request.prompt_logprobs_pending:
             self.prompt_logprob_rows.append(len(self.requests))
+        if request.grammar is not None:
+            self.grammar_rows.append(len(self.requests))
         self.requests.append(request)
         self.num_computed_tokens.append(request.num_computed_tokens)
         self.num_scheduled_tokens.append(1)

@@ -54,10 +54,17 @@ def stop_reason(request: Request) -> FinishReason:
     obeyed). A stop token wins over a simultaneous length limit: the model did end by itself.
     The length limit is max_tokens outputs, or max_model_len tokens once one output exists
     (Request.max_num_kv_tokens + 1 tokens either way).
+    Structured output: a token the grammar rejected (or a failed mask) is an "error"; a grammar
+    that can only end (is_finished) stops with "stop", even under ignore_eos; EOS is no special
+    case, the mask allows it only where the grammar accepts.
     """
-    num_tokens = request.num_tokens
+    num_tokens, grammar = request.num_tokens, request.grammar
+    if grammar is not None and grammar.error:
+        return FinishReason.ERROR
     if (request.last_token_id in request.stop_token_ids
             and num_tokens - request.num_prompt_tokens > request.sampling_params.min_tokens):
+        return FinishReason.STOP
+    if grammar is not None and grammar.is_finished:
         return FinishReason.STOP
     return FinishReason.LENGTH if num_tokens > request.max_num_kv_tokens else FinishReason.NONE
 

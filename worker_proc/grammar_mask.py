@@ -8,7 +8,10 @@ before temperature, penalties and top-k/top-p, so every later stage sees only al
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from proto.messages import StepPlan
 
 # int32 [32]: 1 << b; 1 << 31 is the sign bit, which `&` tests like any other.
 _BITS = torch.ones(1, dtype=torch.int32) << torch.arange(32, dtype=torch.int32)
@@ -39,3 +42,20 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, row_indice
     rows = row_indices.to(device=logits.device, dtype=torch.int64)
     masked = logits.index_select(0, rows).masked_fill_(disallowed, float("-inf"))
     logits.index_copy_(0, rows, masked)
+
+
+def apply_plan_masks_(sample_logits: torch.Tensor, plan: StepPlan, sample_members: np.ndarray) -> str:
+    """Apply the plan's grammar rows to the sampling rows' logits, in place: float
+    [num_sampled, vocab], row r = sample_members[r]. "" on success, else why the masks do not
+    fit this worker (the step fails, the loop does not)."""
+    masks = plan.grammar
+    if not len(masks):
+        return ""
+    vocab_size = sample_logits.shape[1]
+    expected_words = -(-vocab_size // 32)
+    if masks.words != expected_words:
+        return (f"the plan's grammar bitmask rows have {masks.words} words, this worker's vocab of "
+                f"{vocab_size} needs {expected_words}")
+    sampling_rows = np.searchsorted(sample_members, masks.rows)  # int64 [num_constrained]
+    apply_token_bitmask_(sample_logits, torch.from_numpy(masks.matrix), torch.from_numpy(sampling_rows))
+    return ""

@@ -57,6 +57,9 @@ class NullModelRunner:
             if not is_eos.any():
                 break
             tokens = np.where(is_eos, (tokens + 1) % self.vocab_size, tokens)
+        if len(plan.grammar):  # structured output: a constrained row samples an allowed token
+            constrained = np.searchsorted(members, plan.grammar.rows)  # int64 [num_constrained] sampling rows
+            tokens[constrained] = _allowed_tokens(plan.grammar.matrix, tokens[constrained], self.vocab_size)
         targets = prompt_targets(plan)
         asks = sampled_asks(plan, members)
         entries = concat_entries([
@@ -83,6 +86,17 @@ def _null_entries(members: np.ndarray, positions: np.ndarray, token_ids: np.ndar
         token_ids=token_ids.astype(np.int32), logprobs=np.zeros(len(members), dtype=np.float32),
         cu_top=cu_top, top_token_ids=top_ids.astype(np.int32),
         top_logprobs=np.where(rank_in_top == 0, 0.0, NULL_OTHER_LOGPROB).astype(np.float32))
+
+
+def _allowed_tokens(bitmask: np.ndarray, hashed: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int64 [k]: row i's allowed token number hashed[i] % num_allowed (EOS too, where the grammar
+    allows it: a constrained null row can end), from int32 [k, words] bitmask rows."""
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # uint8 [k, vocab]
+    picked = np.empty(len(bitmask), dtype=np.int64)
+    for row, bits in enumerate(allowed):
+        ids = np.flatnonzero(bits)
+        picked[row] = ids[hashed[row] % len(ids)] if len(ids) else hashed[row]
+    return picked
 
 
 def _mix(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from worker_proc import parallel
 from worker_proc.attention import AttentionShape, attention_backend_for
 from worker_proc.batch import StepBatch, build_step_batch, synthetic_plan
 from worker_proc.devices import bind_worker
+from worker_proc.grammar_mask import apply_plan_masks_
 from worker_proc.kv_cache import (
     GPUMemory,
     allocate_kv_cache,
@@ -131,8 +132,12 @@ class ModelRunner:
         """logits: float32 [num_sampled + num_prompt_entries, vocab], sampling rows first."""
         num_sampled = len(batch.sample_members)
         sample_logits = logits[:num_sampled]
+        mask_error = apply_plan_masks_(sample_logits, plan, batch.sample_members)  # structured output
+        if mask_error:
+            return StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int32), error=mask_error)
         asks = sampled_asks(plan, batch.sample_members)  # bool [num_sampled]
-        # Taken before sample(), which adjusts the logits in place: logprobs are of the raw model.
+        # Taken before sample(), which adjusts the logits in place: logprobs are of the raw model
+        # (masked to the grammar's tokens on a constrained row).
         raw = torch.log_softmax(sample_logits[torch.from_numpy(asks)], dim=-1) if asks.any() else None
         tokens = torch.zeros(0, dtype=torch.int64)
         if num_sampled:
@@ -145,8 +150,11 @@ class ModelRunner:
                                          targets.positions, targets.num_top))
         if raw is not None:
             members = batch.sample_members[asks]
+            num_top = plan.sampling.logprobs[members]
+            if len(plan.grammar):  # a masked-out token has no logprob: no more alternatives than allowed tokens
+                num_top = np.minimum(num_top, torch.isfinite(raw).sum(dim=-1).numpy())
             parts.append(compute_entries(raw, tokens[torch.from_numpy(asks)], members,
-                                         batch.sample_positions[asks], plan.sampling.logprobs[members]))
+                                         batch.sample_positions[asks], num_top))
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.numpy().astype(np.int32),
                           error="", logprobs=concat_entries(parts))
 

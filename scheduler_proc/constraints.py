@@ -1,0 +1,78 @@
+"""Structured output in the engine: matchers for new constrained sequences and each step's bitmask rows.
+
+The GrammarTable (llguidance's token table, about 0.7 s to build on the default model's 49,152
+tokens, plus 0.1-0.3 s to import llguidance) is built at the first constrained request, not at
+start: the scheduler must start in well under a second, and most deployments never constrain
+anything. A background thread at start would not help: building the table holds the GIL, so it
+would stall the loop's ready handshake and first steps instead. The price is one pause of about
+a second for the first constrained request of a scheduler's life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from proto.config import EngineConfig
+from proto.grammar import GrammarSpec
+from proto.messages import GrammarMasks
+
+if TYPE_CHECKING:
+    from scheduler_proc.grammar import GrammarTable, SequenceGrammar
+    from scheduler_proc.request import Request
+
+NO_MASKS = GrammarMasks()  # the plan of a step with no constrained member (frozen, shared)
+
+
+class Constraints:
+    """Owns the GrammarTable (built on first use); sequences own their matchers (Request.grammar)."""
+
+    def __init__(self, config: EngineConfig, table: GrammarTable | None = None) -> None:
+        self._config = config
+        self._table = table
+
+    @property
+    def is_built(self) -> bool:
+        return self._table is not None
+
+    def start(self, spec: GrammarSpec, num_choices: int) -> tuple[list[SequenceGrammar], str]:
+        """(one fresh matcher per choice, "") or ([], why the spec cannot be compiled here)."""
+        from scheduler_proc.grammar import GrammarError  # llguidance loads with the first constrained request
+
+        try:
+            table = self._table or self._build()
+            return [table.start(spec) for _ in range(num_choices)], ""
+        except (GrammarError, OSError, ValueError, RuntimeError) as exc:
+            return [], f"structured output is unavailable for this request: {exc}"
+
+    def masks(self, requests: Sequence[Request], rows: Sequence[int]) -> GrammarMasks:
+        """The bitmask rows of the constrained sampling members `rows` (indices into `requests`).
+
+        A matcher that fails while computing its mask fails its request (SequenceGrammar.fail,
+        and the stop rule ends it with "error" when the step's token comes back); its row allows every token
+        meanwhile, so the step itself goes ahead for the whole batch.
+        """
+        from scheduler_proc.grammar import GrammarError, bitmask_words
+
+        assert self._table is not None, "a constrained sequence exists only once the table is built"
+        bitmask = np.empty((len(rows), bitmask_words(self._table.vocab_size)), dtype=np.int32)  # int32 [k, words]
+        for index, row in enumerate(rows):
+            request = requests[row]
+            try:
+                request.grammar.fill_row(bitmask[index])
+            except GrammarError as exc:
+                request.grammar.fail(str(exc))
+                bitmask[index] = -1
+        return GrammarMasks(np.asarray(rows, dtype=np.int32), bitmask.shape[1], bitmask.reshape(-1))
+
+    def _build(self) -> GrammarTable:
+        from scheduler_proc.grammar import GrammarError, GrammarTable
+
+        config = self._config
+        if not config.model or config.vocab_size <= 0:
+            raise GrammarError(f"the scheduler knows no model tokenizer (model {config.model!r}, "
+                               f"vocab_size {config.vocab_size})")
+        self._table = GrammarTable.from_model_dir(config.model, config.vocab_size, list(config.eos_token_ids))
+        return self._table
