@@ -85,7 +85,9 @@ def test_a_flood_is_split_into_completed_requests_and_fast_429s(small_queue_stac
             assert text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in text, text
         else:
             assert '"finish_reason":"length"' in text and f'"completion_tokens":{MAX_TOKENS}' in text, text
-    assert worst_health_s < 1.0 and worst_metrics_s < 1.0, (worst_health_s, worst_metrics_s)
+    # Probes never queue behind the flood (that would take the flood's whole length, many seconds);
+    # 2 s leaves room for a machine whose two cores are busy with other work too.
+    assert worst_health_s < 2.0 and worst_metrics_s < 2.0, (worst_health_s, worst_metrics_s)
     by_reason = {reason: metric_value(url, "conveyor:request_rejected_total", reason=reason)
                  for reason in ("max_num_waiting", "max_waiting_tokens")}
     assert sum(by_reason.values()) == len(refused) and by_reason["max_waiting_tokens"] > 0, by_reason
