@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import bad_request
-from frontend.grammar_check import GrammarChecker
+from frontend.grammar_check import GrammarCheck
 from proto.grammar import GrammarSpec
 
 MAX_TOOLS = 128
@@ -38,7 +38,7 @@ class ToolChoice:
     name: str = ""  # the function, when mode is "named"
 
 
-def parse_tools(tools: list[dict[str, Any]] | None, checker: GrammarChecker | None) -> list[Tool]:
+def parse_tools(tools: list[dict[str, Any]] | None, checker: GrammarCheck | None) -> list[Tool]:
     """Each tool must be {"type": "function", "function": {"name", "description"?, "parameters"?}}
     and its parameters a schema the grammar engine compiles (checked when `checker` is given)."""
     if not tools:

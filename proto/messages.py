@@ -16,6 +16,7 @@ from enum import IntEnum, StrEnum
 import numpy as np
 
 from proto.arrays import BoolArray, Float64Array, Int32Array, UInt8Array, empty
+from proto.grammar import GrammarSpec
 from proto.logprobs import LogprobEntries
 from proto.sampling import SamplingParams
 from proto.sampling_columns import SamplingColumns
@@ -59,6 +60,7 @@ class AddRequest:
     prompt_token_ids: Int32Array  # [num_prompt_tokens]
     sampling_params: SamplingParams
     arrival_time_s: float  # wall clock (time.time()) when the frontend received it
+    grammar: GrammarSpec | None = None  # the output constraint, checked by the frontend
 
 
 @dataclass(frozen=True)
