@@ -165,6 +165,16 @@ async def test_a_forced_call_cut_short_by_max_tokens_is_content_with_length(clie
     assert choice["message"]["content"] == tokenizer.decode(engine.reply_token_ids[:3])
 
 
+@pytest.mark.parametrize("tool_choice, text", [(NAMED, "7"), ("required", "7"), ("required", '[1, {"name": 2}]')])
+async def test_a_forced_output_not_of_the_grammars_shape_is_content_not_a_500(
+        client, engine, tokenizer, sse, tool_choice, text):
+    _reply(engine, tokenizer, text)
+    choice = (await _chat(client, tools=[WEATHER], tool_choice=tool_choice))["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text}
+    deltas, finish_reasons = await _streamed_choice(client, sse, tools=[WEATHER], tool_choice=tool_choice)
+    assert _reassemble(deltas) == (text, []) and finish_reasons == ["stop"]
+
+
 async def test_auto_tool_choice_reads_hermes_calls_out_of_the_text(client, engine, tokenizer):
     _reply(engine, tokenizer, 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": '
                               '{"city": "Paris"}}\n</tool_call>')
