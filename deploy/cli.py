@@ -14,7 +14,8 @@ from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
-from proto.config import ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES, EngineConfig
+from proto.config import (ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES, TOOL_CALL_PARSERS,
+                          EngineConfig)
 from proto.errors import ValidationError
 
 log = logging.getLogger("conveyor.deploy")
@@ -51,6 +52,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: flash-attn on CUDA when installed, the native decode kernel on the "
                              "CPU when it builds (needs a C compiler), else the torch reference")
     parser.add_argument("--scheduling", choices=SCHEDULING_POLICIES, default=defaults.scheduling)
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=defaults.tool_call_parser,
+                        help="how tool calls are read from `auto` outputs; auto = by the chat template "
+                             "(llama3_json for a Llama 3 template, else hermes)")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
@@ -109,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting, max_waiting_tokens=args.max_waiting_tokens,
         max_request_body_bytes=args.max_request_body_size,
-        scheduling=args.scheduling, null_model=args.null_model,
+        scheduling=args.scheduling, tool_call_parser=args.tool_call_parser, null_model=args.null_model,
         enable_prefix_caching=not args.no_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,

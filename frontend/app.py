@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -13,11 +15,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError, install_error_handlers
+from frontend.grammar_check import BackgroundGrammarChecker, GrammarChecker
 from frontend.metrics import FrontendMetrics
 from frontend.openapi import install_openapi
 from frontend.routes import chat, completions, misc
 from frontend.state import ServerState
 from frontend.tokenizer import Tokenizer
+from frontend.tool_parsers import ToolParser, choose_tool_parser
 from frontend.validation import ModelLimits
 from proto.config import EngineConfig
 
@@ -35,7 +39,9 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     engine_client.add_listener(metrics)
     state = ServerState(config=config, engine=engine_client, tokenizer=tokenizer,
                         metrics=metrics, limits=limits, model_name=model_name,
-                        max_in_flight=config.max_num_seqs + config.max_num_waiting)
+                        max_in_flight=config.max_num_seqs + config.max_num_waiting,
+                        grammar_checker=_grammar_checker(config, tokenizer),
+                        tool_parser=_tool_parser(config, tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,6 +64,24 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
+
+
+def _grammar_checker(config: EngineConfig, tokenizer: Tokenizer) -> BackgroundGrammarChecker:
+    """Built on a thread: the frontend reports ready without waiting for llguidance's token table."""
+    eos_token_ids = config.eos_token_ids or tuple(
+        token_id for token_id in (tokenizer.eos_token_id,) if token_id is not None)
+    return BackgroundGrammarChecker(
+        lambda: GrammarChecker.for_tokenizer(tokenizer, config.vocab_size, eos_token_ids))
+
+
+def _tool_parser(config: EngineConfig, tokenizer: Tokenizer) -> ToolParser:
+    """`--tool-call-parser`, or the one the model's chat template and family call for."""
+    flag = None if config.tool_call_parser == "auto" else config.tool_call_parser
+    try:
+        model_type = json.loads((Path(config.model) / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError, AttributeError):
+        model_type = ""
+    return choose_tool_parser(flag, str(model_type), tokenizer.chat_template)
 
 
 class ApiKeyMiddleware:

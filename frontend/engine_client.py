@@ -16,6 +16,7 @@ import zmq.asyncio
 from frontend.engine_outputs import EngineDelta, EngineListener, OutputRouter
 from proto import codec, sockets
 from proto.errors import ProtocolError
+from proto.grammar import GrammarSpec
 from proto.messages import AbortRequest, AddRequest, FrontendHello, SchedulerStats, StepOutputs
 from proto.sampling import SamplingParams
 
@@ -43,8 +44,8 @@ class EngineClient(Protocol):
 
     async def close(self) -> None: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 grammar: GrammarSpec | None = None) -> AsyncIterator[EngineDelta]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -126,12 +127,12 @@ class ZmqEngineClient:
         since = self._started_s if self._last_received_s is None else self._last_received_s
         return time.monotonic() - since
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       grammar: GrammarSpec | None = None) -> AsyncIterator[EngineDelta]:
         route = self._router.open(request_id, sampling_params.n)
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)  # int32 [num_prompt_tokens]
         try:
-            self._send(AddRequest(request_id, prompt, sampling_params, time.time()))
+            self._send(AddRequest(request_id, prompt, sampling_params, time.time(), grammar))
         except BaseException:
             self._router.discard(request_id)
             raise

@@ -97,7 +97,7 @@ class Generation:
             self._pending = [c.end(FinishReason.ABORT, self.error_message) for c in self.choices if not c.finish_reason]
             return
         self._stream = self._engine.generate(self.request_id, self.job.prompt_token_ids,
-                                             self.job.sampling_params)
+                                             self.job.sampling_params, self.job.grammar)
         try:
             first = await anext(self._stream)
         except EngineUnavailableError:

@@ -15,8 +15,10 @@ from fastapi import Request
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError, too_many_requests
 from frontend.generation import Generation
+from frontend.grammar_check import GrammarCheck
 from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
+from frontend.tool_parsers import HermesParser, ToolParser
 from frontend.validation import ModelLimits
 from proto.config import EngineConfig
 
@@ -42,6 +44,8 @@ class ServerState:
     limits: ModelLimits
     model_name: str
     max_in_flight: int  # the frontend's own admission limit (429 beyond it)
+    grammar_checker: GrammarCheck | None = None  # compile-checks output constraints before queueing
+    tool_parser: ToolParser = field(default_factory=HermesParser)  # reads `auto` tool calls
     draining: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0

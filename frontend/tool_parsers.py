@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.tool_stream import HermesStream, JsonCallsStream, collect
-from frontend.tools import tool_call
+from frontend.tool_stream import Delta, HermesStream, JsonCallsStream, ToolCallStream, collect
+from frontend.tools import ToolChoice, forced_tool_calls, tool_call
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,42 @@ def choose_tool_parser(flag: str | None, model_type: str, chat_template: str | N
     if model_type == "llama" and chat_template and "<|eot_id|>" in chat_template:
         return Llama3JsonParser()
     return HermesParser()
+
+
+class ForcedCallsStream(ToolCallStream):
+    """The output of a forced tool choice (required, named), shaped by its grammar: nothing is sent
+    while it grows; its calls are sent when it ends, or its text as content when it was cut short
+    before it was a whole document (finish_reason `length`)."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        super().__init__()
+        self._choice, self._buffer = choice, ""
+
+    def feed(self, text: str) -> list[Delta]:
+        self._buffer += text
+        return []
+
+    def finish(self) -> list[Delta]:
+        text, self._buffer = self._buffer, ""
+        calls = forced_tool_calls(self._choice, text)
+        if not calls:
+            return self._content(text)
+        return [delta for call in calls for delta in self._call_deltas(call)]
+
+
+def output_stream(choice: ToolChoice, parser: ToolParser) -> ToolCallStream | None:
+    """The reader of one chat choice's output: None when it is plain content (tool_choice none)."""
+    if choice.mode in ("required", "named"):
+        return ForcedCallsStream(choice)
+    return parser.stream() if choice.mode == "auto" else None
+
+
+def read_output(choice: ToolChoice, parser: ToolParser, text: str) -> ParsedOutput:
+    """A whole chat output: its content and tool calls, exactly as its stream would send them."""
+    stream = output_stream(choice, parser)
+    if stream is None:
+        return ParsedOutput(text)
+    content, calls = collect(stream, text)
+    if not calls:
+        return ParsedOutput(text)
+    return ParsedOutput(content.strip() or None, calls)

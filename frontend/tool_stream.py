@@ -30,6 +30,14 @@ class ToolCallStream:
     def __init__(self) -> None:
         self.num_calls = 0
 
+    def feed(self, text: str) -> list[Delta]:
+        """The deltas `text` (the output's next piece) makes sendable."""
+        raise NotImplementedError
+
+    def finish(self) -> list[Delta]:
+        """The deltas of what is left when the output ends."""
+        raise NotImplementedError
+
     def _call_deltas(self, call: dict[str, Any]) -> list[Delta]:
         index, function = self.num_calls, call["function"]
         self.num_calls += 1
@@ -128,7 +136,7 @@ class JsonCallsStream(ToolCallStream):
         return calls or None
 
 
-def collect(stream: HermesStream | JsonCallsStream, text: str) -> tuple[str, list[dict[str, Any]]]:
+def collect(stream: ToolCallStream, text: str) -> tuple[str, list[dict[str, Any]]]:
     """The whole output through `stream`: its content and its tool calls, reassembled from deltas."""
     content, calls = [], []
     for delta in [*stream.feed(text), *stream.finish()]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import bad_request
-from frontend.grammar_check import GrammarChecker
+from frontend.grammar_check import GrammarCheck
 from proto.grammar import GrammarSpec
 
 MAX_TOOLS = 128
@@ -38,7 +38,7 @@ class ToolChoice:
     name: str = ""  # the function, when mode is "named"
 
 
-def parse_tools(tools: list[dict[str, Any]] | None, checker: GrammarChecker | None) -> list[Tool]:
+def parse_tools(tools: list[dict[str, Any]] | None, checker: GrammarCheck | None) -> list[Tool]:
     """Each tool must be {"type": "function", "function": {"name", "description"?, "parameters"?}}
     and its parameters a schema the grammar engine compiles (checked when `checker` is given)."""
     if not tools:
@@ -128,8 +128,15 @@ def forced_tool_calls(choice: ToolChoice, output_text: str) -> list[dict[str, An
     except ValueError:
         return []
     if choice.mode == "named":
-        return [tool_call(choice.name, document)]
+        return [tool_call(choice.name, document)] if isinstance(document, dict) else []
+    if not isinstance(document, list) or not all(_is_named_call(call) for call in document):
+        return []  # not the grammar's shape (only an engine that did not apply it writes this)
     return [tool_call(call["name"], call["parameters"]) for call in document]
+
+
+def _is_named_call(call: Any) -> bool:
+    return (isinstance(call, dict) and isinstance(call.get("name"), str)
+            and isinstance(call.get("parameters"), dict))
 
 
 def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:

@@ -6,13 +6,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from frontend.errors import bad_request, from_validation_error
+from frontend.grammar_check import GrammarCheck
 from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
 from frontend.tool_prompt import render_with_tools
-from frontend.tools import Tool
+from frontend.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_choice_grammar
 from proto.config import prompt_fits
 from proto.errors import ValidationError
+from proto.grammar import GrammarSpec
 from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_vocab_bounds
 
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
@@ -44,11 +46,15 @@ class GenerationJob:
     stream: bool
     include_usage: bool
     echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
+    grammar: GrammarSpec | None = None  # the output constraint (AddRequest.grammar), compile-checked
+    tool_choice: ToolChoice = ToolChoice("none")  # chat: how tool calls are read from the output
 
 
-def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> GenerationJob:
-    """`logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too."""
-    _check_choices(request)
+def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
+                   checker: GrammarCheck | None = None) -> GenerationJob:
+    """`logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too.
+    An output constraint is compile-checked by `checker` (skipped without one)."""
+    grammar = _check_choices(request, checker)
     if request.echo and request.stream:
         raise bad_request("echo is not supported with stream: send stream=false to get the prompt "
                           "echoed", "echo")
@@ -62,23 +68,35 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: Mod
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
     return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits,
-                logprob_fields, echo_text)
+                logprob_fields, echo_text, grammar)
 
 
-def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> GenerationJob:
-    """`logprobs: true`: each token's logprob, plus the top `top_logprobs` alternatives."""
-    _check_choices(request)
+def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
+             checker: GrammarCheck | None = None) -> GenerationJob:
+    """`logprobs: true`: each token's logprob, plus the top `top_logprobs` alternatives. `tools`
+    reach the prompt; a forced `tool_choice` (required, named) is the output's grammar."""
+    grammar = _check_choices(request, checker)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     top_logprobs = _check_num_logprobs(request.top_logprobs, "top_logprobs")
-    if request.tools:
-        raise bad_request("tools are not supported", "tools")
+    tools = parse_tools(request.tools, checker)
+    tool_choice = parse_tool_choice(request.tool_choice, tools)
+    forced = tool_choice_grammar(tool_choice, tools, request.parallel_tool_calls is not False)
+    if forced is not None:
+        if grammar is not None:
+            raise bad_request(f"tool_choice {tool_choice.mode!r} forces a tool call, which is itself "
+                              "the output's format: leave out the other output constraint",
+                              "tool_choice")
+        if checker is not None:
+            checker.check(forced, "tool_choice")
+        grammar = forced
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request.add_generation_prompt,
-                                 limits.max_model_len)
+                                 limits.max_model_len, tools)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages")
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
-    return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs})
+    return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs},
+                grammar=grammar, tool_choice=tool_choice)
 
 
 def _single_prompt(prompt: Any) -> Any:
@@ -154,19 +172,19 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
 
 
-def _check_choices(request: SamplingFields) -> None:
-    """n, best_of and the output constraint: what the request asks the server to return."""
+def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> GrammarSpec | None:
+    """n, best_of and the output constraint (returned, compile-checked by `checker`): what the
+    request asks the server to return."""
     constraint = request_grammar(request)  # a malformed one gets its own 400 here
-    if constraint is not None:
-        field = constraint[1].split(".")[0]
-        raise bad_request(f"{field} (structured output) is not supported yet: leave it out or send "
-                          f"response_format {{\"type\": \"text\"}}", field, "unsupported_response_format")
+    if constraint is not None and checker is not None:
+        checker.check(*constraint)
     n = _or(request.n, DEFAULTS.n)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     if request.best_of not in (None, 1, n):
         raise bad_request(f"best_of must equal n ({n}): this server returns every choice it "
                           f"generates, got best_of {request.best_of}", "best_of")
+    return None if constraint is None else constraint[0]
 
 
 def _check_num_logprobs(value: int | None, param: str) -> int:
@@ -200,7 +218,8 @@ def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: Mo
 
 
 def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits: ModelLimits,
-         logprob_fields: dict[str, int], echo_text: str | None = None) -> GenerationJob:
+         logprob_fields: dict[str, int], echo_text: str | None = None,
+         grammar: GrammarSpec | None = None, tool_choice: ToolChoice = ToolChoice("none")) -> GenerationJob:
     stream_options = request.stream_options
     return GenerationJob(
         prompt_token_ids=prompt_ids,
@@ -209,6 +228,8 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         stream=bool(request.stream),
         include_usage=bool(request.stream and stream_options and stream_options.include_usage),
         echo_text=echo_text,
+        grammar=grammar,
+        tool_choice=tool_choice,
     )
 
 

@@ -15,6 +15,9 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 CPU_ISAS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 # auto: flash-attn on CUDA when installed, the native CPU kernel when it builds, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "flash")
+# How `auto` tool choices are read from the output (frontend/tool_parsers.py); auto = by the
+# chat template (Llama 3 JSON for a Llama 3 template, else Hermes `<tool_call>` blocks).
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class EngineConfig:
     max_waiting_tokens: int = 1 << 20  # prompt tokens the waiting queue may hold (the scheduler enforces it)
     max_request_body_bytes: int = 16 << 20  # HTTP request bodies beyond this get 413
     scheduling: str = "continuous"
+    tool_call_parser: str = "auto"  # one of TOOL_CALL_PARSERS
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = off; a prompt longer than this gets at most this many tokens per step
     max_num_partial_prefills: int = 1  # how many partially-prefilled long prompts may share one step
@@ -83,6 +87,9 @@ class EngineConfig:
         if self.cpu_isa and self.cpu_isa not in CPU_ISAS:
             raise ValidationError(f"cpu_isa must be one of {CPU_ISAS} or empty, got {self.cpu_isa!r}",
                                   "cpu_isa")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValidationError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
+                                  f"{self.tool_call_parser!r}", "tool_call_parser")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValidationError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                                   f"{self.attention_backend!r}", "attention_backend")

@@ -36,14 +36,14 @@ class CompletionFormat:
     def first_choices(self, generation: Generation) -> list[dict[str, Any]]:
         return []
 
-    def chunk_choice(self, generation: Generation, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def chunk_choices(self, generation: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]:
         logprobs = None
         if delta.token_ids and generation.choices[delta.index].wants_logprobs:
             builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer))
             logprobs = builder.build(delta.token_ids, delta.logprobs)
         if not delta.text and logprobs is None:
-            return None
-        return _choice(delta.index, delta.text, logprobs, None)
+            return []
+        return [_choice(delta.index, delta.text, logprobs, None)]
 
     def finish_choice(self, index: int, finish_reason: FinishReason) -> dict[str, Any]:
         return _choice(index, "", None, finish_reason)
@@ -79,4 +79,4 @@ async def create_completion(request: Request) -> Response:
 def _prepare(raw: bytes, state: ServerState) -> GenerationJob:
     body = parse_body(raw, CompletionRequest)
     state.check_model(body.model)
-    return completion_job(body, state.tokenizer, state.limits)
+    return completion_job(body, state.tokenizer, state.limits, state.grammar_checker)

@@ -33,8 +33,8 @@ class ResponseFormat(Protocol):
 
     def first_choices(self, generation: Generation) -> list[dict[str, Any]]: ...
 
-    def chunk_choice(self, generation: Generation, delta: ChoiceDelta) -> dict[str, Any] | None:
-        """The chunk for a step's text and logprobs; None when it has neither."""
+    def chunk_choices(self, generation: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The chunks for a step's text (or tool calls) and logprobs; none when it has neither."""
 
     def finish_choice(self, index: int, finish_reason: FinishReason) -> dict[str, Any]: ...
 
@@ -109,8 +109,7 @@ async def _sse_events(state: ServerState, request: Request, generation: Generati
             yield chunk(first)
         try:
             async for delta in generation.deltas():
-                choice = fmt.chunk_choice(generation, delta)
-                if choice is not None:
+                for choice in fmt.chunk_choices(generation, delta):
                     yield chunk(choice)
                 if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                     yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))

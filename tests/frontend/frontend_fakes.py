@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ import numpy as np
 
 from frontend.engine_outputs import EngineDelta, EngineListener, OutputRouter
 from proto import codec
+from proto.grammar import GrammarSpec
 from proto.logprobs import LogprobEntries
 from proto.messages import (ERROR_NONE, EVENT_FINISHED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED,
                             EVENT_QUEUED, EVENT_SCHEDULED, AddRequest, LifecycleEvents, SchedulerStats,
@@ -34,6 +36,12 @@ class AddedRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    grammar: GrammarSpec | None = None
+
+
+def through_codec(message: AddRequest) -> AddRequest:
+    """`message` as the scheduler decodes it."""
+    return codec.decode(codec.encode(message), AddRequest)
 
 
 @dataclass
@@ -105,13 +113,14 @@ class FakeEngineClient:
     def latest_stats(self) -> SchedulerStats | None:
         return self.router.latest_stats
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling_params: SamplingParams) -> AsyncIterator[EngineDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       grammar: GrammarSpec | None = None) -> AsyncIterator[EngineDelta]:
         route = self.router.open(request_id, sampling_params.n)
         # Through the real codec, as the ZMQ client sends it: what cannot travel fails here too.
-        wire = codec.decode(codec.encode(AddRequest(request_id, np.asarray(prompt_token_ids, np.int32),
-                                                    sampling_params, time.time())), AddRequest)
-        self.added.append(AddedRequest(request_id, wire.prompt_token_ids.tolist(), wire.sampling_params))
+        wire = through_codec(AddRequest(request_id, np.asarray(prompt_token_ids, np.int32),
+                                        sampling_params, time.time(), grammar))
+        self.added.append(AddedRequest(request_id, wire.prompt_token_ids.tolist(), wire.sampling_params,
+                                       wire.grammar))
         if self.hold:
             self.held.append((request_id, list(prompt_token_ids), sampling_params))
         else:

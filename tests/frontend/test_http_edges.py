@@ -56,9 +56,10 @@ BATTERY = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
      b'"response_format": {"type": "xml"}}', 400, "response_format.type", "'json_schema', got \"xml\""),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
-     b'"response_format": {"type": "json_object"}}', 400, "response_format", "not supported yet"),
+     b'"structured_outputs": {"regex": "(ab"}}', 400, "structured_outputs.regex", "cannot be used"),
     ("/v1/completions", b'{"prompt": "x", "response_format": {"type": "json_schema", '
-     b'"json_schema": {"name": "a", "schema": {}}}}', 400, "response_format", "not supported yet"),
+     b'"json_schema": {"name": "a", "schema": {"not": {"type": "string"}}}}}', 400,
+     "response_format.json_schema.schema", "Unimplemented keys"),
     ("/tokenize", b'{"prompt": "%s"}' % ONE_MILLION_TOKENS.encode(), 400, "prompt", "at least"),
 ]
 

@@ -55,7 +55,7 @@ BAD_CHATS = [
      "Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', got \"wizard\""),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only text parts"),
-    ({"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools.0.function", "function is required"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_tokens", ">= 1"),
     ({"messages": USER, "top_k": -3}, "top_k", "top_k"),
     ({"messages": USER, "n": 17}, "n", "between 1 and 16, got 17"),
