@@ -13,7 +13,7 @@ from typing import Literal
 
 import httpx
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from support import tiny_config
 from tiny_model import build_tiny_model
 
@@ -31,6 +31,9 @@ class Verdict(BaseModel):
 
 
 class Digit(BaseModel):
+    # No other properties: JSON Schema allows them by default, and a random model sampled at
+    # temperature 1 would write property names until max_tokens.
+    model_config = ConfigDict(extra="forbid")
     x: int = Field(ge=0, le=9)
 
 
