@@ -12,6 +12,7 @@ from support import tiny_config
 from deploy.bench_sweep import find_knee
 from deploy.cli import main
 from deploy.launcher import Stack
+from deploy.replay import ReplayOptions
 from deploy.trace import TraceSpec, make_trace
 from proto.trace import load_trace, save_trace
 
@@ -26,6 +27,8 @@ SMALL_TRACE = ["--num-prompts", "6", "--request-rate", "20", "--prompt-len-min",
     (["--endpoint", "v1/completions"], "--endpoint must be a path"),
     (["--num-prompts", "-5"], "--num-prompts must be >= 1, got -5"),
     (["--request-rate", "nan"], "--request-rate must be > 0"),
+    (["--constrained-fraction", "1.5"], "--constrained-fraction must be in [0, 1], got 1.5"),
+    (["--json-schema", "/nonexistent/schema.json"], "/nonexistent/schema.json"),
 ])
 def test_bench_refuses_impossible_arguments_with_exit_2(args: list[str], message: str,
                                                         capsys: pytest.CaptureFixture) -> None:
@@ -103,6 +106,34 @@ def test_bench_against_the_real_stack_completes_every_request_and_writes_json_an
     assert all(result[key]["p99"] is not None for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"))
     for name in ("tiny-latency-cdf.png", "tiny-tokens-over-time.png"):
         assert (tmp_path / "out" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_constrained_share_of_a_trace_is_spread_evenly_and_needs_a_schema() -> None:
+    assert [ReplayOptions(json_schema={}, constrained_fraction=0.5).is_constrained(i) for i in range(6)] == \
+        [False, True] * 3
+    assert all(ReplayOptions(json_schema={}, constrained_fraction=1.0).is_constrained(i) for i in range(5))
+    assert not any(ReplayOptions(constrained_fraction=1.0).is_constrained(i) for i in range(5))
+
+
+def test_bench_with_a_json_schema_constrains_that_share_of_the_requests_on_the_real_stack(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    trace = make_trace(TraceSpec(num_prompts=4, prompt_len_min=3, prompt_len_max=6, output_median=24,
+                                 output_sigma=0.0, output_max=24, request_rate=25.0, vocab_high=500))
+    save_trace(trace, tmp_path / "trace.jsonl")
+    with Stack(tiny_config(tiny_model_dir), log_dir=tmp_path / "logs") as stack:
+        code = main(["bench", "--base-url", stack.url, "--trace", str(tmp_path / "trace.jsonl"),
+                     "--json-schema", str(tmp_path / "schema.json"), "--constrained-fraction", "0.5",
+                     "--result-dir", str(tmp_path / "out"), "--label", "half", "--disable-tqdm"])
+    assert code == 0
+    result = json.loads((tmp_path / "out" / "half.json").read_text())
+    assert (result["completed"], result["errors"], result["num_constrained"]) == (4, 0, 2)
+    tokens = [r["output_tokens"] for r in result["requests"]]
+    # The unconstrained ones generate exactly what they asked (ignore_eos); the constrained ones stop
+    # when their document {"a": true|false} is complete, well before 24 tokens.
+    assert tokens[0] == tokens[2] == 24 and all(n < 24 for n in tokens[1::2]), tokens
 
 
 def test_bench_sweep_launches_conveyor_per_batch_size_and_names_the_knee(
