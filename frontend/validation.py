@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -233,15 +234,19 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
     )
 
 
+# SamplingParams fields that the HTTP request model carries under the same name and meaning, as they
+# come (None: left out); the others are built below. A new sampling parameter needs no line here.
+PASSED_THROUGH = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                       if f.name in SamplingFields.model_fields and f.name not in (
+                           "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias",
+                           "logprobs", "prompt_logprobs"))
+
+
 def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
                      logprob_fields: dict[str, int]) -> SamplingParams:
     """Fields the client left out (None) take SamplingParams' defaults. The vocabulary bounds
     come first, so a huge top_k is told the vocabulary size rather than int32's."""
-    given = {"n": request.n, "temperature": request.temperature, "top_p": request.top_p,
-             "top_k": request.top_k, "min_p": request.min_p,
-             "repetition_penalty": request.repetition_penalty,
-             "presence_penalty": request.presence_penalty,
-             "frequency_penalty": request.frequency_penalty, "seed": request.seed}
+    given = {name: getattr(request, name) for name in PASSED_THROUGH}
     stop_token_ids = tuple(request.stop_token_ids or ())
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     try:
