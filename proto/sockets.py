@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tempfile
+import time
 
 import zmq
 
@@ -137,8 +138,23 @@ def bind_channel(context: zmq.Context, kind: int, config: EngineConfig, channel:
             sock.close(linger=0)
             raise ValueError(f"{channel} uses CURVE: start guard_step_channels before binding it")
         transport.make_curve_server(sock, guard.keys)
-    sock.bind(endpoint)
+    _bind_retrying(sock, endpoint)
     return sock
+
+
+def _bind_retrying(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
+    """A socket just closed on the same TCP port (the scheduler reopening its step channels for a
+    new worker group) releases the port on libzmq's I/O thread a moment later: retry until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or not endpoint.startswith("tcp://") or time.monotonic() > deadline:
+                sock.close(linger=0)
+                raise
+            time.sleep(0.02)
 
 
 def connect_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str,
