@@ -5,7 +5,9 @@ fresh Python processes (node 0: the scheduler, its share of the tensor-parallel 
 frontend; any other node: its workers only, which reach node 0 over TCP), waits until each
 reports ProcessReady on the control channel, and on exit stops them all (frontend first so
 in-flight requests drain) and kills whatever outlives the shutdown timeout. While it watches, a
-lost worker group or frontend is replaced, within one restart budget (deploy/restarts.py).
+lost worker group or frontend is replaced, within one restart budget (deploy/restarts.py); across
+nodes every node replaces its own ranks when any rank is lost, in the group that node 0's
+supervisor names (deploy/node_group.py).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import zmq
 from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
 from deploy.model_info import ModelError, needs_model_facts, read_model_info, resolve_model_facts
+from deploy.node_group import GroupChannel
 from deploy.placement import check_transport
 from deploy.restarts import RestartBudget
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.messages import ProcessFailed, ProcessReady, RestartWorkers
+from proto.messages import GroupLost, ProcessFailed, ProcessReady, RestartWorkers, StartGroup
 
 log = logging.getLogger("conveyor.deploy")
 
@@ -77,6 +80,7 @@ class Stack:
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
         self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed that worker
         self.num_frontend_restarts = 0  # handed to each new frontend for its process_restarts_total
+        self._group: GroupChannel | None = None  # the supervisors' channel when nnodes > 1
 
     @property
     def url(self) -> str:
@@ -109,6 +113,8 @@ class Stack:
         self._context = zmq.Context()
         self._control = sockets.bind(self._context, zmq.PULL, self.config.runtime_dir, sockets.CONTROL,
                                      sockets.max_frame_bytes(self.config))
+        if self.config.nnodes > 1:
+            self._group = GroupChannel(self._context, self.config)
         self.children = self._plan_children(gpus)
         for child in self.children:
             self._spawn(child)
@@ -177,7 +183,7 @@ class Stack:
         scheduler naming a worker rank that did not answer a step); return why, for the log. A
         failure is kept in self.failure, which makes stop() fail fast instead of draining."""
         while not should_stop():
-            reported = self._reported_failure(poll_s)
+            reported = self._reported_failure(poll_s) or self._follow_group()
             dead = self.dead_child()
             if dead is not None and dead.module in ("worker_proc", "frontend") and not reported:
                 replace = self._replace_workers if dead.module == "worker_proc" else self._restart_frontend
@@ -202,12 +208,34 @@ class Stack:
             log.info("%s ready (pid %d) %s", message.name, message.pid, message.detail)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
 
+    def _follow_group(self) -> str:
+        """Across nodes: node 0 replaces its group for a rank lost on another node and repeats the
+        current generation; another node starts the group node 0 names. '' or why to stop."""
+        if self._group is None:
+            return ""
+        self._group.poll_announce()
+        message = self._group.receive()
+        if isinstance(message, GroupLost) and message.generation == self.config.worker_generation:
+            return self._replace_group(f"node {message.node_rank} lost a rank: {message.cause}")
+        if isinstance(message, GroupLost):  # a group already replaced
+            log.info("node %d lost a rank of old worker group %d: %s", message.node_rank,
+                     message.generation, message.cause)
+        if isinstance(message, StartGroup) and message.generation > self.config.worker_generation:
+            return self._replace_group(f"node 0 started worker group {message.generation} "
+                                       f"({message.cause})", message.generation)
+        return ""
+
     def _workers(self) -> list[Child]:
         return [child for child in self.children if child.module == "worker_proc"]
 
     def _kill_ranks(self, ranks: list[int], reason: str) -> None:
+        """Kill the named hung ranks of this node; a named rank on another node takes this node's
+        whole group with it (its replacement on every node follows from the deaths)."""
+        remote = [rank for rank in ranks if rank not in self.config.local_ranks]
+        if remote:
+            reason = f"{reason}; rank {remote[0]} runs on another node, so this node's group goes too"
         for child in self._workers():
-            if child.rank in ranks and child.process is not None and child.process.poll() is None:
+            if (child.rank in ranks or remote) and child.process is not None and child.process.poll() is None:
                 log.error("%s (pid %d, tensor-parallel rank %d) hangs: %s; killing it", child.name,
                           child.process.pid, child.rank, reason)
                 self._kill_reasons[child.process.pid] = reason
@@ -221,11 +249,36 @@ class Stack:
         killed_for = self._kill_reasons.pop(dead.process.pid, "")
         if killed_for:
             cause = f"{cause} after it hung ({killed_for})"
+        if self.config.node_rank == 0:
+            return self._replace_group(cause)
+        # Only node 0 picks the next group: stop ours, tell it, and start the one it names.
+        log.error("%s; stopping this node's ranks of worker group %d and asking node 0 for a new "
+                  "group", cause, self.config.worker_generation)
+        self._stop_workers()
+        self._group.report_lost(self.config.worker_generation, cause)
+        return ""
+
+    def _replace_group(self, cause: str, generation: int = -1) -> str:
+        """Start this node's ranks of a fresh worker group: `generation` (another node: the one
+        node 0 named), or node 0's next one, announced to every other node. Returns '' once
+        started, else why the stack must stop (--max-restarts reached on this node)."""
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
-        log.error("%s; replacing the worker group (restart %d, at most %d within %.0f s)", cause,
-                  self.restarts.num_restarts_total, self.restarts.max_restarts, self.restarts.window_s)
-        self.config = self.config.with_updates(worker_generation=self.config.worker_generation + 1)
+        generation = self.config.worker_generation + 1 if generation < 0 else generation
+        log.error("%s; replacing the worker group with group %d (restart %d, at most %d within %.0f s)",
+                  cause, generation, self.restarts.num_restarts_total, self.restarts.max_restarts,
+                  self.restarts.window_s)
+        self._stop_workers()
+        self.config = self.config.with_updates(worker_generation=generation)
+        for child in self._workers():
+            self._spawn(child)
+        if self._group is not None and self.config.node_rank == 0:
+            self._group.announce(generation, cause)
+        return ""
+
+    def _stop_workers(self) -> None:
+        """Kill this node's workers and reap them (none left behind to join a later group); a
+        stopped worker has no process until the next group starts it."""
         for child in self._workers():
             if child.process is not None and child.process.poll() is None:
                 child.process.kill()
@@ -233,8 +286,7 @@ class Stack:
                 child.process.wait()
             if child.log_file is not None:
                 child.log_file.close()
-            self._spawn(child)
-        return ""
+            child.process = None
 
     def _restart_frontend(self, dead: Child) -> str:
         """The frontend died, and its clients' connections with it (the scheduler aborts their
@@ -275,6 +327,9 @@ class Stack:
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()
+        if self._group is not None:
+            self._group.close()  # before the context: its ZAP thread owns a socket there
+            self._group = None
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None

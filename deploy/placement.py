@@ -75,10 +75,10 @@ def check_transport(config: EngineConfig) -> None:
     if sockets.uses_curve(config):
         transport.load_transport_keys(config.transport_keys_dir)
     elif config.nnodes > 1:
-        log.warning("--insecure-transport: the step channels on ports %d..%d of %s are neither "
+        log.warning("--insecure-transport: the step and group channels on ports %d..%d of %s are neither "
                     "authenticated nor encrypted; anyone who reaches them can read every plan and "
                     "inject results", config.master_port + 1,
-                    config.master_port + 1 + config.tensor_parallel_size, config.master_addr)
+                    config.master_port + 2 + config.tensor_parallel_size, config.master_addr)
 
 
 def write_keys(directory: str) -> int:

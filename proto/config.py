@@ -62,7 +62,9 @@ class EngineConfig:
     # max_restarts times within restart_window_s; one more fault stops the stack.
     max_restarts: int = 5
     restart_window_s: float = 600.0
-    worker_generation: int = 0  # which worker group this is on this node (the supervisor counts restarts)
+    # Which worker group this is: node 0's supervisor counts replaced groups and tells the other
+    # nodes' supervisors (StartGroup); it keys the torch.distributed rendezvous and every StepPlan.
+    worker_generation: int = 0
     log_level: str = "info"
     # Across devices and nodes: tensor_parallel_size ranks spread evenly over nnodes supervisors.
     nnodes: int = 1
@@ -121,7 +123,7 @@ class EngineConfig:
             raise ValidationError(f"nnodes={self.nnodes} needs master_addr: the address of node 0 "
                                   "that every node can reach (--master-addr)", "master_addr")
         self._validate_transport()
-        top_port = self.master_port + 1 + self.tensor_parallel_size
+        top_port = self.master_port + 2 + self.tensor_parallel_size  # the supervisors' group channel
         if self.master_port < 1 or top_port > 65535:
             raise ValidationError(f"master_port must leave room for ports {self.master_port}.."
                                   f"{top_port} below 65536, got {self.master_port}", "master_port")

@@ -114,6 +114,7 @@ class StepPlan:
     sample_mask: BoolArray  # [num_seqs] member reaches the end of its known tokens
     sampling: SamplingColumns
     grammar: GrammarMasks = field(default_factory=GrammarMasks)
+    generation: int = 0  # the worker group it is for (WorkerReady.generation); other groups refuse it
 
     @property
     def num_seqs(self) -> int:
@@ -153,6 +154,7 @@ class WorkerReady:
     rank: int
     num_kv_blocks: int
     pid: int
+    generation: int = 0  # the worker group this rank belongs to (EngineConfig.worker_generation)
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,26 @@ class FrontendHello:
     pid: int
 
 
+@dataclass(frozen=True)
+class GroupLost:
+    """Supervisor of node `node_rank` > 0 -> node 0's supervisor: a rank of worker group
+    `generation` died here (this node's ranks are stopped); replace the group on every node."""
+
+    node_rank: int
+    generation: int
+    cause: str
+
+
+@dataclass(frozen=True)
+class StartGroup:
+    """Node 0's supervisor -> every other node's: start worker group `generation` (stop the ranks of
+    any older one first). Only node 0 picks generations, so the nodes never disagree on one."""
+
+    generation: int
+    cause: str
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, AbortRequest, StepPlan, StepResult, WorkerReady, StepOutputs,
-    ProcessReady, ProcessFailed, RestartWorkers, FrontendHello,
+    ProcessReady, ProcessFailed, RestartWorkers, FrontendHello, GroupLost, StartGroup,
 )

@@ -5,18 +5,21 @@ from __future__ import annotations
 import ipaddress
 import os
 import tempfile
+import time
 
 import zmq
 
 from proto import codec, transport
 from proto.config import EngineConfig
-from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
-                            RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
+from proto.messages import (AbortRequest, AddRequest, FrontendHello, GroupLost, ProcessFailed,
+                            ProcessReady, RestartWorkers, StartGroup, StepOutputs, StepPlan, StepResult,
+                            WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)
 RESULTS = "results"  # workers -> scheduler (PUSH/PULL)
 CONTROL = "control"  # children -> supervisor (PUSH/PULL)
+GROUP = "group"  # node 0's supervisor <-> the other nodes' (ROUTER/DEALER, tcp:// only)
 
 # What a reader accepts on each channel (codec.decode's `expected`); anything else is a protocol error.
 REQUEST_MESSAGES = (AddRequest, AbortRequest, FrontendHello)
@@ -24,6 +27,8 @@ OUTPUT_MESSAGES = (StepOutputs,)
 RESULT_MESSAGES = (WorkerReady, StepResult)
 PLAN_MESSAGES = (StepPlan,)
 CONTROL_MESSAGES = (ProcessReady, ProcessFailed, RestartWorkers)
+GROUP_TO_NODE0_MESSAGES = (GroupLost,)
+GROUP_FROM_NODE0_MESSAGES = (StartGroup,)
 
 MIN_MAX_FRAME_BYTES = 64 << 20
 
@@ -34,16 +39,20 @@ def plan_channel(rank: int) -> str:
 
 
 def is_step_channel(channel: str) -> bool:
-    """The scheduler <-> worker channels: the only ones that cross nodes."""
-    return channel == RESULTS or channel.startswith("plan-")
+    """The scheduler <-> worker channels and the supervisors' group channel: the ones that cross nodes."""
+    return channel in (RESULTS, GROUP) or channel.startswith("plan-")
 
 
-def tcp_port(master_port: int, channel: str) -> int:
-    """results on master_port + 1, plan-R on master_port + 2 + R (master_port is torch.distributed's)."""
+def tcp_port(master_port: int, channel: str, tensor_parallel_size: int = 0) -> int:
+    """results on master_port + 1, plan-R on master_port + 2 + R, the supervisors' group channel
+    after the last plan port, on master_port + 2 + tensor_parallel_size (master_port is
+    torch.distributed's)."""
     if channel == RESULTS:
         return master_port + 1
     if channel.startswith("plan-"):
         return master_port + 2 + int(channel[len("plan-"):])
+    if channel == GROUP and tensor_parallel_size > 0:
+        return master_port + 2 + tensor_parallel_size
     raise ValueError(f"channel {channel!r} never crosses nodes")
 
 
@@ -57,7 +66,7 @@ def channel_address(config: EngineConfig, channel: str, for_bind: bool) -> str:
         host = "*"
     elif ":" in host:
         host = f"[{host}]"  # an IPv6 literal
-    return f"tcp://{host}:{tcp_port(config.master_port, channel)}"
+    return f"tcp://{host}:{tcp_port(config.master_port, channel, config.tensor_parallel_size)}"
 
 
 def _is_ip_literal(host: str) -> bool:
@@ -129,15 +138,33 @@ def bind_channel(context: zmq.Context, kind: int, config: EngineConfig, channel:
             sock.close(linger=0)
             raise ValueError(f"{channel} uses CURVE: start guard_step_channels before binding it")
         transport.make_curve_server(sock, guard.keys)
-    sock.bind(endpoint)
+    _bind_retrying(sock, endpoint)
     return sock
 
 
+def _bind_retrying(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
+    """A socket just closed on the same TCP port (the scheduler reopening its step channels for a
+    new worker group) releases the port on libzmq's I/O thread a moment later: retry until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or not endpoint.startswith("tcp://") or time.monotonic() > deadline:
+                sock.close(linger=0)
+                raise
+            time.sleep(0.02)
+
+
 def connect_channel(context: zmq.Context, kind: int, config: EngineConfig, channel: str,
-                    max_frame_bytes: int = -1) -> zmq.Socket:
-    """Like connect; over TCP as a CURVE client with the deployment's keys when uses_curve(config)."""
+                    max_frame_bytes: int = -1, routing_id: bytes = b"") -> zmq.Socket:
+    """Like connect; over TCP as a CURVE client with the deployment's keys when uses_curve(config).
+    routing_id: how a ROUTER peer addresses this socket (set before connecting)."""
     endpoint = channel_address(config, channel, for_bind=False)
     sock = _new_socket(context, kind, max_frame_bytes, endpoint)
+    if routing_id:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     if endpoint.startswith("tcp://") and uses_curve(config):
         try:
             transport.make_curve_client(sock, transport.load_transport_keys(config.transport_keys_dir))

@@ -51,6 +51,7 @@ class SchedulerLoop:
         self._fatal_error = ""  # set when the loop cannot go on: it ends, the stack stops
         self._worker_pids: dict[int, int] = {}  # rank -> pid of the group serving now
         self._workers_serving = False  # False until the group is ready, and while it is replaced
+        self._generation = -1  # the serving worker group's (WorkerReady.generation); stamped on plans
         self.num_worker_restarts = 0  # worker groups lost and replaced
         self._frontend = FrontendWatch(_process_alive)
 
@@ -161,6 +162,7 @@ class SchedulerLoop:
         num_ranks, timeout_s = self.config.tensor_parallel_size, self.config.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         blocks_by_rank: dict[int, int] = {}
+        generation = self._generation + 1  # the lowest one that may serve next
         while len(blocks_by_rank) < num_ranks and not self._should_exit():
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
@@ -175,6 +177,12 @@ class SchedulerLoop:
             if not 0 <= ready.rank < num_ranks:
                 self._count_bad(f"unexpected {ready!r:.120} while waiting for workers")
                 continue
+            if ready.generation < generation:  # a rank of the lost group (or an older one)
+                self._count_bad(f"ignored worker rank {ready.rank} (pid {ready.pid}) of worker group "
+                                f"{ready.generation}: waiting for group {generation} or later")
+                continue
+            if ready.generation > generation:  # a later group replaced the one being gathered
+                generation, blocks_by_rank = ready.generation, {}
             logger.info("worker rank %d (pid %d) ready with %d KV blocks", ready.rank, ready.pid,
                         ready.num_kv_blocks)
             blocks_by_rank[ready.rank] = ready.num_kv_blocks
@@ -188,6 +196,7 @@ class SchedulerLoop:
                        "deployment's (--transport-keys)" if num_refused else "")
             self._fail(f"worker ranks {missing} did not report ready within {timeout_s} s{refused}")
             return None
+        self._generation = generation
         num_kv_blocks = min(blocks_by_rank.values())
         if num_kv_blocks < 1:
             self._fail(f"workers reported {blocks_by_rank} KV blocks by rank; need at least 1")
@@ -269,7 +278,8 @@ class SchedulerLoop:
         return time.monotonic() - self._last_sent_s >= HEARTBEAT_INTERVAL_S
 
     def _run_step(self, plan: StepPlan) -> StepOutputs:
-        frame = codec.encode(plan)  # encoded once, the same bytes to every rank
+        # Encoded once, the same bytes to every rank; a rank of another group refuses it.
+        frame = codec.encode(dataclasses.replace(plan, generation=self._generation))
         deadline = time.monotonic() + self.config.step_timeout_s
         for rank, sock in enumerate(self._plans):
             if not self._send_frame(sock, frame, deadline, lambda: bool(self._dead_ranks([rank]))):
@@ -297,7 +307,7 @@ class SchedulerLoop:
         self._workers_serving = False
         self.num_worker_restarts += 1
         self._send_outputs(self.engine.recover_lost_step(), wait=False)
-        if hung:
+        if hung and not dead:  # after a death the supervisors replace the whole group anyway
             sockets.send(self._control, RestartWorkers(np.asarray(hung, dtype=np.int32), cause))
         self._reopen_step_channels()
         num_kv_blocks = self._await_workers()
@@ -326,12 +336,15 @@ class SchedulerLoop:
         answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
+        dead: list[int] = []
         while len(answers) < num_ranks and not self._should_exit():
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 break
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
-                if self._dead_ranks([rank for rank in range(num_ranks) if rank not in answers]):
+                # Any rank gone, even one that answered (with its collective's error), lost the group.
+                dead = self._dead_ranks(list(range(num_ranks)))
+                if dead:
                     break
                 continue
             # Only StepResult is expected now: a WorkerReady here is counted as a protocol error.
@@ -344,7 +357,7 @@ class SchedulerLoop:
                 self._count_bad(f"discarded a result for step {result.step_id} from rank {result.rank} "
                                 f"while waiting for {step_id}")
         if len(answers) < num_ranks:
-            return None, [rank for rank in range(num_ranks) if rank not in answers]
+            return None, [rank for rank in range(num_ranks) if rank not in answers or rank in dead]
         failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
         if failed is not None and failed.rank != 0:
             return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []

@@ -30,10 +30,12 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass
 class FrameCounters:
-    """What serve() has read: plans executed and frames dropped as protocol errors."""
+    """What serve() has read: plans executed, frames dropped as protocol errors, and plans
+    refused because they were for another worker group."""
 
     num_steps: int = 0
     num_protocol_errors: int = 0
+    num_refused_plans: int = 0
 
 
 def run_worker(config: EngineConfig, rank: int, parent_pid: int | None = None) -> int:
@@ -61,11 +63,12 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int | None = None) -
         sockets.send(control, ProcessFailed(name=name, pid=os.getpid(), message=message))
         context.destroy(linger=FAREWELL_LINGER_MS)
         return 1
-    sockets.send(results, WorkerReady(rank=rank, num_kv_blocks=runner.num_kv_blocks, pid=os.getpid()))
-    detail = f"model={config.model} num_kv_blocks={runner.num_kv_blocks}"
+    sockets.send(results, WorkerReady(rank=rank, num_kv_blocks=runner.num_kv_blocks, pid=os.getpid(),
+                                      generation=config.worker_generation))
+    detail = f"model={config.model} num_kv_blocks={runner.num_kv_blocks} generation={config.worker_generation}"
     sockets.send(control, ProcessReady(name=name, pid=os.getpid(), detail=detail))
     try:
-        serve(runner, plans, results, stop, parent_pid, faults=faults)
+        serve(runner, plans, results, stop, parent_pid, faults=faults, generation=config.worker_generation)
     finally:
         context.destroy(linger=0)
     log.info("%s stopped", name)
@@ -74,10 +77,12 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int | None = None) -
 
 def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq.Socket,
           stop: threading.Event, parent_pid: int, counters: FrameCounters | None = None,
-          faults: FaultInjector | None = None) -> None:
+          faults: FaultInjector | None = None, generation: int = 0) -> None:
     """Execute plans until SIGTERM or the parent dies; bad frames and failed steps never end it.
     Every rank answers every step: rank 0 with the tokens, the others with an acknowledgement.
-    A frame that is not a StepPlan is counted in `counters` and gets no answer."""
+    A frame that is not a StepPlan is counted in `counters` and gets no answer; so is a plan for
+    another worker group than this rank's `generation` (a stale rank never computes, nor answers,
+    a step of the group that replaced its own)."""
     counters = counters if counters is not None else FrameCounters()
     faults = faults if faults is not None else FaultInjector(runner.rank, {})
     while not stop.is_set():
@@ -92,6 +97,12 @@ def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq
         except ProtocolError as exc:
             counters.num_protocol_errors += 1
             log.error("dropped a bad frame (%d so far): %s", counters.num_protocol_errors, exc)
+            continue
+        if plan.generation != generation:
+            counters.num_refused_plans += 1
+            log.error("refused the plan of step %d: it is for worker group %d, this rank belongs to "
+                      "group %d (%d refused so far)", plan.step_id, plan.generation, generation,
+                      counters.num_refused_plans)
             continue
         faults.fire(plan.step_id)
         result = execute_step(runner, plan)

@@ -24,12 +24,28 @@ _group: dist.ProcessGroup | None = None  # the collectives' group, with the step
 
 def init_method_for(config: EngineConfig) -> str:
     """A file in the private runtime dir on one node, one per worker generation (a replaced group
-    must not read the lost one's rendezvous); node 0's master address across nodes."""
+    must not read the lost one's rendezvous); node 0's master address across nodes (see
+    rendezvous_store for how generations are kept apart there)."""
     if config.nnodes > 1:
         host = f"[{config.master_addr}]" if ":" in config.master_addr else config.master_addr
         return f"tcp://{host}:{config.master_port}"
     name = f"torch-dist-init-{config.worker_generation}"
     return f"file://{os.path.join(config.runtime_dir, name)}"
+
+
+def rendezvous_prefix(generation: int) -> str:
+    return f"conveyor-worker-group-{generation}/"
+
+
+def rendezvous_store(rank: int, config: EngineConfig) -> dist.Store:
+    """Across nodes: the TCPStore on node 0's master port (rank 0 hosts it), every key under the
+    worker generation's prefix. A rank of another generation (a stale one, or a new one started
+    before its group) writes and waits on other keys, so it can never complete this group's
+    rendezvous nor count as one of its ranks; it times out after ready_timeout_s instead."""
+    store = dist.TCPStore(config.master_addr, config.master_port, config.tensor_parallel_size,
+                          is_master=rank == 0, timeout=timedelta(seconds=config.ready_timeout_s),
+                          wait_for_workers=False)
+    return dist.PrefixStore(rendezvous_prefix(config.worker_generation), store)
 
 
 def init_parallel(rank: int, config: EngineConfig) -> None:
@@ -43,8 +59,10 @@ def init_parallel(rank: int, config: EngineConfig) -> None:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=init_method_for(config), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=config.ready_timeout_s))
+        where = (dict(store=rendezvous_store(rank, config)) if config.nnodes > 1
+                 else dict(init_method=init_method_for(config)))
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=config.ready_timeout_s), **where)
         _group = dist.new_group(list(range(world_size)),
                                 timeout=timedelta(seconds=config.step_timeout_s / 2))
     _state = ParallelState(rank=rank, world_size=world_size)

@@ -153,7 +153,7 @@ def test_two_supervisors_on_loopback_serve_as_two_nodes_and_peers_without_the_ke
     keygen = subprocess.run([sys.executable, "-m", "deploy.cli", "keygen", str(keys_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert keygen.returncode == 0, keygen.stderr
-    http_port, master_port = free_port(), free_port_block(4)
+    http_port, master_port = free_port(), free_port_block(5)
     common = two_node_argv(tiny_model_dir, master_port, "--transport-keys", str(keys_dir))
     node0_log = tmp_path / "node0.log"
     with open(node0_log, "wb") as node0_output:
@@ -191,7 +191,7 @@ def test_two_supervisors_on_loopback_serve_as_two_nodes_and_peers_without_the_ke
 
 
 def test_two_nodes_without_keys_refuse_to_start_naming_the_flags(tiny_model_dir: Path) -> None:
-    result = subprocess.run(two_node_argv(tiny_model_dir, free_port_block(4), "--node-rank", "1"),
+    result = subprocess.run(two_node_argv(tiny_model_dir, free_port_block(5), "--node-rank", "1"),
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--transport-keys DIR" in result.stderr and "conveyor keygen DIR" in result.stderr

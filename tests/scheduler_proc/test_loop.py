@@ -96,7 +96,7 @@ def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> No
         assert lost.stats.num_worker_restarts_total == 1 and lost.stats.num_running == 0 and lost.stats.num_waiting == 1
         frontend.worker.close()  # the supervisor kills a hung rank: it never reconnects
         replacement = WorkerThread(frontend.requests.context, loop.config.runtime_dir, rank=0,
-                                   expected=frontend.worker.fake)
+                                   expected=frontend.worker.fake, generation=1)
         try:
             frontend.wait_finished("a")
         finally:
@@ -194,3 +194,27 @@ def test_scheduler_process_exits_when_its_parent_dies() -> None:
 def test_a_runtime_dir_that_cannot_be_bound_fails_start_up_cleanly() -> None:
     loop = SchedulerLoop(TEST_CONFIG.with_updates(runtime_dir="/nonexistent/conveyor-test"))
     assert loop.run() == 1
+
+
+def test_a_rank_of_the_lost_group_cannot_rejoin_and_the_new_groups_plans_carry_its_generation() -> None:
+    with running_loop(silent_ranks=(0,), step_timeout_s=0.3, ready_timeout_s=10.0) as (
+            loop, frontend, control):
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
+        frontend.add("a", 4, max_tokens=3)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), RestartWorkers)
+        frontend.worker.close()
+        context = frontend.requests.context
+        stale = WorkerThread(context, loop.config.runtime_dir, rank=0, answers=False, generation=0)
+        deadline = time.monotonic() + 5
+        while loop.num_protocol_errors == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stale.close()  # its WorkerReady was refused: the loop still waits for a new group
+        assert loop.num_protocol_errors == 1 and "a" not in frontend.log.finish_reasons
+        replacement = WorkerThread(context, loop.config.runtime_dir, rank=0,
+                                   expected=frontend.worker.fake, generation=1)
+        try:
+            frontend.wait_finished("a")
+        finally:
+            replacement.close()
+        assert frontend.log.finish_reasons["a"] == "length" and loop.num_worker_restarts == 1
+        assert replacement.plan_generations and set(replacement.plan_generations) == {1}

@@ -1,0 +1,64 @@
+"""Two "nodes" on one machine (a node-0 Stack and a worker-only Stack, TP=2, rank 1 on node 1):
+rank 1 SIGKILLed mid-generation on node 1 makes both supervisors replace their ranks in a new
+worker group that node 0 names, and 8 concurrent streams finish with an undisturbed run's text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from support import caplog_of, metric_value, supervised, tiny_config
+from integration.test_multi_device import free_port_block
+from integration.test_worker_recovery import run_burst
+
+from deploy.launcher import Stack
+
+
+@contextmanager
+def two_nodes(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[Stack, Stack]]:
+    """Node 1 first (it waits for node 0), each under its supervisor's watch."""
+    base = tiny_config(tiny_model_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+                       master_port=free_port_block(5), insecure_transport=True, step_timeout_s=10.0,
+                       ready_timeout_s=30.0)
+    with ExitStack() as stacks:
+        node1 = Stack(base.with_updates(node_rank=1), log_dir=tmp_path / "node1")
+        node0 = Stack(base.with_updates(node_rank=0), log_dir=tmp_path / "node0")
+        # Start node 1's workers before node 0 waits: Stack.start blocks until its own are ready.
+        node1_started = stacks.enter_context(_started_in_background(node1))
+        stacks.enter_context(node0)
+        node1_started()
+        stacks.enter_context(supervised(node1))
+        stacks.enter_context(supervised(node0))
+        yield node0, node1
+
+
+@contextmanager
+def _started_in_background(stack: Stack) -> Iterator:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(stack.__enter__)
+        try:
+            yield pending.result
+        finally:
+            stack.__exit__(None, None, None)
+
+
+def test_a_remote_rank_killed_mid_generation_is_replaced_on_both_nodes_and_streams_finish_undisturbed(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with two_nodes(tiny_model_dir, tmp_path / "calm") as (node0, _node1):
+        undisturbed = run_burst(node0.url)
+    monkeypatch.setenv("CONVEYOR_FAULT_INJECTION", f"rank=1,step=6,action=kill,once={tmp_path / 'fired'}")
+    with caplog_of("conveyor.deploy") as records, two_nodes(tiny_model_dir, tmp_path / "fault") as (node0, node1):
+        old = [c.process.pid for stack in (node0, node1) for c in stack.children if c.module == "worker_proc"]
+        assert run_burst(node0.url) == undisturbed
+        assert (tmp_path / "fired").exists()
+        assert node0.config.worker_generation == node1.config.worker_generation == 1
+        new = [c.process.pid for stack in (node0, node1) for c in stack.children if c.module == "worker_proc"]
+        assert not set(new) & set(old)  # both nodes replaced their ranks
+        assert metric_value(node0.url, "conveyor:process_restarts_total", process="worker") == 1
+        assert metric_value(node0.url, "conveyor:request_success_total", finished_reason="error") == 0
+    log = "\n".join(records)
+    assert "worker1" in log and "SIGKILL" in log and "asking node 0 for a new group" in log, log
+    assert "node 1 lost a rank" in log and "node 0 started worker group 1" in log, log
