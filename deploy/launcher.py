@@ -215,6 +215,8 @@ class Stack:
             return ""
         self._group.poll_announce()
         message = self._group.receive()
+        if message is None:
+            return self._group.node0_silence()
         if isinstance(message, GroupLost) and message.generation == self.config.worker_generation:
             return self._replace_group(f"node {message.node_rank} lost a rank: {message.cause}")
         if isinstance(message, GroupLost):  # a group already replaced

@@ -20,6 +20,9 @@ from proto.messages import GroupLost, StartGroup
 log = logging.getLogger("conveyor.deploy")
 
 ANNOUNCE_INTERVAL_S = 1.0  # node 0 repeats the current generation, for nodes that missed it
+# Another node that has heard node 0 and then hears nothing for this long takes node 0's supervisor
+# for gone (its ranks cannot serve without node 0's scheduler) and stops, rather than wait forever.
+NODE0_SILENCE_S = 15.0
 
 
 def node_id(node_rank: int) -> bytes:
@@ -36,6 +39,7 @@ class GroupChannel:
         self._guard: transport.KeyGuard | None = None
         self._current = StartGroup(config.worker_generation, "start-up")
         self._announced_s = 0.0
+        self._heard_s: float | None = None  # node r > 0: time.monotonic() of node 0's last message
         if config.node_rank == 0:
             self._guard = sockets.guard_step_channels(context, config)  # ZAP before the bind
             self._sock = sockets.bind_channel(context, zmq.ROUTER, config, sockets.GROUP, self._guard,
@@ -75,10 +79,26 @@ class GroupChannel:
                 return None
             expected = sockets.GROUP_TO_NODE0_MESSAGES if self.node_rank == 0 else sockets.GROUP_FROM_NODE0_MESSAGES
             try:
-                return codec.decode(parts[-1], expected)
+                message = codec.decode(parts[-1], expected)
             except ProtocolError as exc:
                 self.num_protocol_errors += 1
                 log.warning("ignoring a malformed group frame (%d so far): %s", self.num_protocol_errors, exc)
+                continue
+            if self.node_rank != 0:
+                self._heard_s = time.monotonic()
+            return message
+
+    def node0_silence(self, now_s: float | None = None) -> str:
+        """Node r > 0: why to stop when node 0 has been heard and then silent past NODE0_SILENCE_S
+        (it repeats the group every ANNOUNCE_INTERVAL_S), else ''. Never before node 0 is first heard:
+        node 0 may start after this node."""
+        if self.node_rank == 0 or self._heard_s is None:
+            return ""
+        silent_s = (time.monotonic() if now_s is None else now_s) - self._heard_s
+        if silent_s <= NODE0_SILENCE_S:
+            return ""
+        return (f"node 0's supervisor has been silent for {silent_s:.0f} s (it repeats the worker group "
+                f"every {ANNOUNCE_INTERVAL_S:.0f} s): it is gone, so this node's ranks cannot serve")
 
     def close(self) -> None:
         self._sock.close(linger=0)
