@@ -11,7 +11,7 @@ import zmq
 from proto import codec, transport
 from proto.config import EngineConfig
 from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
-                            RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
+                            RestartScheduler, RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)
@@ -23,7 +23,7 @@ REQUEST_MESSAGES = (AddRequest, AbortRequest, FrontendHello)
 OUTPUT_MESSAGES = (StepOutputs,)
 RESULT_MESSAGES = (WorkerReady, StepResult)
 PLAN_MESSAGES = (StepPlan,)
-CONTROL_MESSAGES = (ProcessReady, ProcessFailed, RestartWorkers)
+CONTROL_MESSAGES = (ProcessReady, ProcessFailed, RestartWorkers, RestartScheduler)
 
 MIN_MAX_FRAME_BYTES = 64 << 20
 
