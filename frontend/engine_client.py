@@ -103,6 +103,7 @@ class ZmqEngineClient:
         self._epoch = 0  # of our last FrontendHello
         self._scheduler_pid = 0  # the scheduler our requests go to (0: none heard yet)
         self._hung_pid = 0  # the scheduler last reported as hung (once per process)
+        self._replaced_pids: set[int] = set()  # schedulers we moved away from: their frames are stale
         self.recovering = False  # a new scheduler is taking over: requests are held, not failed
         self.num_scheduler_replacements = 0
 
@@ -192,13 +193,16 @@ class ZmqEngineClient:
                          self.num_protocol_errors, exc)
             self._router.protocol_error()
             return
-        self._last_received_s = time.monotonic()
-        self._engine_stopping = self._engine_stopping or message.engine_stopping
         stats = message.stats
+        if stats.scheduler_pid in self._replaced_pids:
+            return  # a lost scheduler's last frames, behind the new one's
+        self._last_received_s = time.monotonic()
         if not self._scheduler_pid:
             self._scheduler_pid = stats.scheduler_pid
         elif stats.scheduler_pid and stats.scheduler_pid != self._scheduler_pid:
             self._resubmit_to(stats.scheduler_pid)
+        # A scheduler's last word (its shutdown or crash); a replacement speaks for itself.
+        self._engine_stopping = self._engine_stopping or message.engine_stopping
         if stats.frontend_epoch != self._epoch:
             return  # sent before the scheduler read our latest hello
         self.recovering = False
@@ -209,8 +213,9 @@ class ZmqEngineClient:
         every open request again, continuing from what it has received."""
         logger.warning("a new scheduler (pid %d) replaced pid %d: resubmitting %d requests",
                        scheduler_pid, self._scheduler_pid, len(self._router))
+        self._replaced_pids.add(self._scheduler_pid)
         self._scheduler_pid, self._epoch = scheduler_pid, self._epoch + 1
-        self.recovering = True
+        self.recovering, self._engine_stopping = True, False
         self.num_scheduler_replacements += 1
         try:
             self._send(FrontendHello(os.getpid(), self._epoch))
