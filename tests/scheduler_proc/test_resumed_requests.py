@@ -161,3 +161,21 @@ def test_the_fake_worker_checks_the_resumed_kv() -> None:
     harness.worker.expect("r", PROMPT + [11, 99])
     with pytest.raises(AssertionError, match="corrupted"):
         harness.run()
+
+
+def test_prompt_logprobs_forwarded_before_the_loss_are_not_sent_again() -> None:
+    prompt = (100 + np.arange(40)).tolist()  # prefilled in chunks of 16: the loss comes mid-prompt
+    undisturbed = Harness(max_num_batched_tokens=16)
+    undisturbed.add("p", prompt, max_tokens=3, prompt_logprobs=1)
+    undisturbed.run()
+    lost = Harness(max_num_batched_tokens=16)
+    lost.add("p", prompt, max_tokens=3, prompt_logprobs=1)
+    lost.step()
+    received = lost.log.logprobs["p"]
+    assert received and not lost.log.tokens.get("p")  # lost mid-prompt: logprobs came, no token
+    new = Harness(max_num_batched_tokens=16)
+    add_resumed(new, "p", prompt, resume_of([[]], [False], max(p for p, *_ in received) + 1),
+                max_tokens=3, prompt_logprobs=1)
+    new.run()
+    assert received + new.log.logprobs["p"] == undisturbed.log.logprobs["p"]
+    assert lost.log.tokens.get("p", []) + new.log.tokens["p"] == undisturbed.log.tokens["p"]
