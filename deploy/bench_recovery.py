@@ -10,6 +10,14 @@ is 200 again: the supervisor noticed, the worker started, loaded the weights and
 cache) and the rest (recomputing the prompt and the tokens already generated, then the next decode),
 next to the stream's median inter-token latency.
 
+    conveyor bench recovery --process scheduler --trials 3
+
+SIGKILLs the scheduler instead, mid-stream: the supervisor replaces it with a fresh worker group and
+the frontend resubmits the stream to the new scheduler, which recomputes prompt + tokens so far.
+Per trial: the pause from the kill to the next token, and the time until the frontend had
+resubmitted (its conveyor:process_restarts_total{process="scheduler"} went up: the new scheduler
+and its workers had started and the scheduler had sent its first message).
+
     conveyor bench recovery --process frontend --trials 5
 
 SIGKILLs the frontend instead, with no request in flight, and reports per trial the time from the
@@ -46,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None,
                         help="HF model directory or cached id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=EngineConfig().dtype)
-    parser.add_argument("--process", choices=("worker", "frontend"), default="worker",
+    parser.add_argument("--process", choices=("worker", "scheduler", "frontend"), default="worker",
                         help="the process to SIGKILL once per trial")
     parser.add_argument("--trials", type=int, default=3, help="trials, one kill each")
     parser.add_argument("--kill-after-tokens", type=int, default=30, help="tokens streamed before the kill")
@@ -113,16 +121,18 @@ def _trial(stack: Stack, model: str, args: argparse.Namespace) -> dict:
                 continue
             stamps.append(time.monotonic())
             if len(stamps) == args.kill_after_tokens:
-                killed_at = _kill_rank0(stack)
-                threading.Thread(target=_await_serving, args=(stack.url, serving_at), daemon=True).start()
+                killed_at = _kill(stack, args.process)
+                watch = _await_resubmitted if args.process == "scheduler" else _await_serving
+                threading.Thread(target=watch, args=(stack.url, serving_at), daemon=True).start()
     if finish_reason != "length" or not killed_at:
         raise RuntimeError(f"the stream ended with finish_reason {finish_reason!r} after {len(stamps)} "
                            f"chunks (killed: {bool(killed_at)})")
     next_token = min(t for t in stamps if t > killed_at)
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if not a <= killed_at < b]
+    serving = "resubmitted" if args.process == "scheduler" else "serving"
     return {"kill_to_next_token_s": round(next_token - killed_at, 3),
-            "kill_to_serving_s": round(serving_at[0] - killed_at, 3) if serving_at[0] else None,
-            "serving_to_next_token_s": round(next_token - serving_at[0], 3) if serving_at[0] else None,
+            f"kill_to_{serving}_s": round(serving_at[0] - killed_at, 3) if serving_at[0] else None,
+            f"{serving}_to_next_token_s": round(next_token - serving_at[0], 3) if serving_at[0] else None,
             "median_itl_s": round(statistics.median(gaps), 4)}
 
 
@@ -144,10 +154,35 @@ def _frontend_trial(stack: Stack) -> dict:
     raise RuntimeError("the frontend did not come back within 300 s")
 
 
-def _kill_rank0(stack: Stack) -> float:
-    workers = [child for child in stack.children if child.module == "worker_proc"]
-    os.kill(workers[0].process.pid, signal.SIGKILL)
+def _kill(stack: Stack, process: str) -> float:
+    """SIGKILL the scheduler, or the worker group's rank 0."""
+    module = "scheduler_proc" if process == "scheduler" else "worker_proc"
+    victim = next(child for child in stack.children if child.module == module)
+    os.kill(victim.process.pid, signal.SIGKILL)
     return time.monotonic()
+
+
+def _await_resubmitted(url: str, resubmitted_at: list[float]) -> None:
+    """Record when the frontend counts one more replaced scheduler (it resubmits at that moment;
+    started right after the kill, long before the new scheduler can have spoken)."""
+    before = _scheduler_restarts(httpx.get(f"{url}/metrics", timeout=5).text)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if _scheduler_restarts(httpx.get(f"{url}/metrics", timeout=5).text) > before:
+                resubmitted_at[0] = time.monotonic()
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+
+
+def _scheduler_restarts(metrics_text: str) -> float:
+    """The value of conveyor:process_restarts_total{process="scheduler"} (0 when absent)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("conveyor:process_restarts_total{") and 'process="scheduler"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def _await_serving(url: str, serving_at: list[float]) -> None:

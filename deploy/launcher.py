@@ -5,9 +5,9 @@ fresh Python processes (node 0: the scheduler, its share of the tensor-parallel 
 frontend; any other node: its workers only, which reach node 0 over TCP), waits until each
 reports ProcessReady on the control channel, and on exit stops them all (frontend first so
 in-flight requests drain) and kills whatever outlives the shutdown timeout. While it watches, a
-lost worker group or frontend is replaced, within one restart budget (deploy/restarts.py); across
-nodes every node replaces its own ranks when any rank is lost, in the group that node 0's
-supervisor names (deploy/node_group.py).
+lost worker group, frontend or scheduler (with its worker group) is replaced, within one restart
+budget (deploy/restarts.py); across nodes every node replaces its own ranks when any rank is lost,
+in the group that node 0's supervisor names (deploy/node_group.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from deploy.restarts import RestartBudget
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.messages import GroupLost, ProcessFailed, ProcessReady, RestartWorkers, StartGroup
+from proto.messages import GroupLost, ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers, StartGroup
 
 log = logging.getLogger("conveyor.deploy")
 
@@ -185,9 +185,8 @@ class Stack:
         while not should_stop():
             reported = self._reported_failure(poll_s) or self._follow_group()
             dead = self.dead_child()
-            if dead is not None and dead.module in ("worker_proc", "frontend") and not reported:
-                replace = self._replace_workers if dead.module == "worker_proc" else self._restart_frontend
-                reported = replace(dead)
+            if dead is not None and dead.module in self._REPLACERS and not reported:
+                reported = getattr(self, self._REPLACERS[dead.module])(dead)
                 if not reported:
                     continue
                 dead = None
@@ -197,6 +196,9 @@ class Stack:
                 return self.failure
         return "shutdown requested"
 
+    _REPLACERS = {"worker_proc": "_replace_workers", "frontend": "_restart_frontend",
+                  "scheduler_proc": "_replace_scheduler"}
+
     def _reported_failure(self, wait_s: float) -> str:
         """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''.
         A RestartWorkers (the scheduler naming hung ranks) kills those ranks here."""
@@ -204,6 +206,8 @@ class Stack:
         message = None if frame is None else self.decode_control(frame)
         if isinstance(message, RestartWorkers):
             self._kill_ranks(message.ranks.tolist(), message.reason)
+        elif isinstance(message, RestartScheduler):
+            self._kill_hung_scheduler(message.pid, message.reason)
         elif isinstance(message, ProcessReady):  # a replaced process is back
             log.info("%s ready (pid %d) %s", message.name, message.pid, message.detail)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
@@ -242,6 +246,46 @@ class Stack:
                           child.process.pid, child.rank, reason)
                 self._kill_reasons[child.process.pid] = reason
                 child.process.kill()
+
+    def _kill_hung_scheduler(self, pid: int, reason: str) -> None:
+        """The frontend heard nothing from scheduler `pid` for too long: kill it (the watch then
+        replaces it). A report about a scheduler replaced meanwhile is ignored."""
+        for child in self.children:
+            if child.module == "scheduler_proc" and child.process is not None and child.process.pid == pid \
+                    and child.process.poll() is None:
+                log.error("scheduler (pid %d) hangs: %s; killing it", pid, reason)
+                self._kill_reasons[pid] = reason
+                child.process.kill()
+
+    def _replace_scheduler(self, dead: Child) -> str:
+        """The scheduler died (or was killed for hanging): start a new one and a fresh worker group
+        with it (the workers' step sockets and KV cache belonged to the lost one). The frontend
+        resubmits its requests once the new scheduler talks. '' once the new processes are ready,
+        else why the stack must stop (--max-restarts reached, or they did not start)."""
+        cause = dead.describe_exit()
+        killed_for = self._kill_reasons.pop(dead.process.pid, "")
+        if killed_for:
+            cause = f"{cause} after it hung ({killed_for})"
+        if not self.restarts.allow(cause):
+            return self.restarts.exhausted(cause)
+        log.error("%s; replacing the scheduler and the worker group (restart %d, at most %d within "
+                  "%.0f s)", cause, self.restarts.num_restarts_total, self.restarts.max_restarts,
+                  self.restarts.window_s)
+        self.config = self.config.with_updates(worker_generation=self.config.worker_generation + 1)
+        engine = [dead, *self._workers()]
+        for child in engine:
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+            if child.process is not None:
+                child.process.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+            self._spawn(child)
+        try:
+            self._wait_ready({child.name for child in engine})
+        except StartupError as exc:
+            return f"the replacement scheduler did not start: {exc}"
+        return ""
 
     def _replace_workers(self, dead: Child) -> str:
         """A worker died (or was killed for hanging): start a fresh group of this node's workers,

@@ -10,7 +10,7 @@ import sys
 import uvicorn
 
 from frontend.app import create_app
-from frontend.engine_client import ALIVE_TIMEOUT_S, ZmqEngineClient
+from frontend.engine_client import ALIVE_TIMEOUT_S, HANG_AFTER_S, ZmqEngineClient
 from frontend.server import (UVICORN_GRACE_S, DrainingServer, SupervisorLink, bind_listen_socket,
                              exit_with_parent)
 from frontend.tokenizer import Tokenizer
@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(config: EngineConfig, link: SupervisorLink, num_restarts: int) -> int:
     try:
         tokenizer = Tokenizer.from_dir(config.model)
-        engine = ZmqEngineClient(config.runtime_dir, dead_after_s=config.step_timeout_s + ALIVE_TIMEOUT_S,
-                                 max_frame_bytes=sockets.max_frame_bytes(config))
+        # Requests are held while a lost scheduler is replaced: failed only past the hang bound
+        # plus a whole restart (the new scheduler and workers must be ready within --ready-timeout).
+        dead_after_s = max(config.step_timeout_s, HANG_AFTER_S + config.ready_timeout_s) + ALIVE_TIMEOUT_S
+        engine = ZmqEngineClient(config.runtime_dir, dead_after_s=dead_after_s,
+                                 max_frame_bytes=sockets.max_frame_bytes(config),
+                                 on_scheduler_hung=link.restart_scheduler)
         app = create_app(config, engine, tokenizer)
         app.state.conveyor.metrics.frontend_restarts.inc(num_restarts)
         listen_socket = bind_listen_socket(config.host, config.port)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +25,9 @@ from proto.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 ALIVE_TIMEOUT_S = 5.0  # the scheduler heartbeats when idle, so silence this long means trouble
+# The scheduler sends something at least once a second (a step, or a heartbeat: idle, in a step,
+# while workers are replaced); silence this long is a hung scheduler, reported to the supervisor.
+HANG_AFTER_S = 10.0
 
 
 class EngineUnavailableError(RuntimeError):
@@ -64,11 +69,22 @@ class ZmqEngineClient:
 
     One background task receives every StepOutputs and hands it to the OutputRouter.
     A request that the scheduler stops talking about gets an "error" delta after `dead_after_s`.
+
+    A replaced scheduler: every StepOutputs names the scheduler process that sent it and the epoch
+    of the last FrontendHello it read. The first message from another scheduler than the one that
+    answered our hello starts a recovery: say hello again with the next epoch, then resubmit every
+    open request with what it has received so far (AddRequest.resume). Until outputs stamped with
+    the new epoch arrive, we are `recovering`, and outputs stamped with another epoch are dropped
+    (they come from before the resubmissions, or from the lost scheduler), so no token is counted
+    twice. A scheduler silent for `hang_after_s` is reported through `on_scheduler_hung(pid,
+    reason)` (the supervisor kills and replaces it).
     """
 
     def __init__(self, runtime_dir: str, alive_timeout_s: float = ALIVE_TIMEOUT_S,
-                 dead_after_s: float = 120.0 + ALIVE_TIMEOUT_S, max_frame_bytes: int = -1) -> None:
-        """`dead_after_s` must exceed the longest legitimate step (EngineConfig.step_timeout_s);
+                 dead_after_s: float = 120.0 + ALIVE_TIMEOUT_S, max_frame_bytes: int = -1,
+                 hang_after_s: float = HANG_AFTER_S,
+                 on_scheduler_hung: Callable[[int, str], None] | None = None) -> None:
+        """`dead_after_s` must exceed the longest legitimate silence (a scheduler's replacement);
         `max_frame_bytes` (proto.sockets.max_frame_bytes) caps an OUTPUTS frame, -1 = no cap."""
         self._runtime_dir = runtime_dir
         self._max_frame_bytes = max_frame_bytes
@@ -83,6 +99,14 @@ class ZmqEngineClient:
         self._outputs: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self.num_protocol_errors = 0
+        self._hang_after_s = hang_after_s
+        self._on_scheduler_hung = on_scheduler_hung
+        self._epoch = 0  # of our last FrontendHello
+        self._scheduler_pid = 0  # the scheduler our requests go to (0: none heard yet)
+        self._hung_pid = 0  # the scheduler last reported as hung (once per process)
+        self._replaced_pids: set[int] = set()  # schedulers we moved away from: their frames are stale
+        self.recovering = False  # a new scheduler is taking over: requests are held, not failed
+        self.num_scheduler_replacements = 0
 
     async def start(self) -> None:
         self._context = zmq.Context()
@@ -120,7 +144,7 @@ class ZmqEngineClient:
     def is_alive(self) -> bool:
         """A message was RECEIVED within `alive_timeout_s` (our clock, never the scheduler's) and the
         scheduler has not said it is stopping."""
-        heard = self._last_received_s is not None and not self._engine_stopping
+        heard = self._last_received_s is not None and not self._engine_stopping and not self.recovering
         return heard and self.seconds_since_last_message() < self._alive_timeout_s
 
     def seconds_since_last_message(self) -> float:
@@ -129,10 +153,14 @@ class ZmqEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        grammar: GrammarSpec | None = None) -> AsyncIterator[EngineDelta]:
-        route = self._router.open(request_id, sampling_params.n)
+        if sampling_params.seed is None and sampling_params.temperature > 0:  # drawn here, so that a
+            # resubmission to a replaced scheduler continues the same noise (greedy needs none)
+            sampling_params = dataclasses.replace(sampling_params, seed=random.getrandbits(63))
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)  # int32 [num_prompt_tokens]
+        add = AddRequest(request_id, prompt, sampling_params, time.time(), grammar)
+        route = self._router.open(request_id, sampling_params.n, add)
         try:
-            self._send(AddRequest(request_id, prompt, sampling_params, time.time(), grammar))
+            self._send(add)
         except BaseException:
             self._router.discard(request_id)
             raise
@@ -150,6 +178,7 @@ class ZmqEngineClient:
     def abort_choice(self, request_id: str, choice_index: int) -> None:
         if not self._router.is_open(request_id):  # already finished: the scheduler holds nothing
             return
+        self._router.end_choice_here(request_id, choice_index)
         try:
             self._send(AbortRequest([request_id], np.asarray([choice_index], dtype=np.int32)))
         except EngineUnavailableError as exc:  # it then runs on until it ends or the request does
@@ -165,9 +194,50 @@ class ZmqEngineClient:
                          self.num_protocol_errors, exc)
             self._router.protocol_error()
             return
+        stats = message.stats
+        if stats.scheduler_pid in self._replaced_pids:
+            return  # a lost scheduler's last frames, behind the new one's
         self._last_received_s = time.monotonic()
+        if not self._scheduler_pid:
+            self._scheduler_pid = stats.scheduler_pid
+        elif stats.scheduler_pid and stats.scheduler_pid != self._scheduler_pid:
+            self._resubmit_to(stats.scheduler_pid)
+        # A scheduler's last word (its shutdown or crash); a replacement speaks for itself.
         self._engine_stopping = self._engine_stopping or message.engine_stopping
+        if stats.frontend_epoch != self._epoch:
+            return  # sent before the scheduler read our latest hello
+        self.recovering = False
         self._router.route(message, self._last_received_s)
+
+    def _resubmit_to(self, scheduler_pid: int) -> None:
+        """A new scheduler replaced ours: hello (it then drops whatever reached it before), then
+        every open request again, continuing from what it has received."""
+        logger.warning("a new scheduler (pid %d) replaced pid %d: resubmitting %d requests",
+                       scheduler_pid, self._scheduler_pid, len(self._router))
+        self._replaced_pids.add(self._scheduler_pid)
+        self._scheduler_pid, self._epoch = scheduler_pid, self._epoch + 1
+        self.recovering, self._engine_stopping = True, False
+        self.num_scheduler_replacements += 1
+        try:
+            self._send(FrontendHello(os.getpid(), self._epoch))
+            for add in self._router.resubmissions():
+                self._send(add)
+        except EngineUnavailableError as exc:
+            num_failed = self._router.fail_all(f"could not resubmit to the new scheduler: {exc}")
+            logger.error("could not resubmit to the new scheduler (%d requests failed): %s", num_failed, exc)
+
+    def report_hung_scheduler(self) -> None:
+        """Tell the supervisor (once per scheduler process) that ours has been silent too long."""
+        silent_s = self.seconds_since_last_message()
+        pid = self._scheduler_pid
+        if not pid or pid == self._hung_pid or silent_s < self._hang_after_s or self._engine_stopping:
+            return
+        self._hung_pid = pid
+        self.recovering = True
+        reason = f"the frontend heard nothing from it for {silent_s:.0f} s (no step, no heartbeat)"
+        logger.error("scheduler pid %d hangs: %s; asking the supervisor to replace it", pid, reason)
+        if self._on_scheduler_hung is not None:
+            self._on_scheduler_hung(pid, reason)
 
     def fail_silent_requests(self) -> None:
         """End every open request with an error once the scheduler has been silent too long."""
@@ -182,6 +252,7 @@ class ZmqEngineClient:
         poll_ms = int(min(self._alive_timeout_s, 1.0) * 1000)
         while True:
             if not await self._outputs.poll(poll_ms, zmq.POLLIN):
+                self.report_hung_scheduler()
                 self.fail_silent_requests()
                 continue
             frame = await self._outputs.recv(copy=True)

@@ -6,6 +6,7 @@ Transport-free: the ZMQ client feeds it decoded messages, and so does the tests'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
-from proto.messages import ERROR_CODES, EVENT_QUEUED, FinishReason, SchedulerStats, StepOutputs
+from proto.messages import (ERROR_CODES, EVENT_QUEUED, AddRequest, FinishReason, ResumedOutputs,
+                            SchedulerStats, StepOutputs)
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +58,25 @@ class EngineListener(Protocol):
 
     def on_protocol_error(self) -> None: ...
 
+    def on_scheduler_replaced(self) -> None: ...
+
 
 class RequestRoute:
     """One request's queue. Invariant: each choice gets exactly one terminal delta, after which
-    nothing more is queued for it; the stream ends after the last choice's terminal delta."""
+    nothing more is queued for it; the stream ends after the last choice's terminal delta.
 
-    def __init__(self, num_choices: int) -> None:
+    It also keeps what a replaced scheduler needs to continue the request (`resubmission`): the
+    AddRequest as first sent, every output token queued per choice, the prompt logprob positions
+    received, and the choices the frontend ended itself (abort_choice)."""
+
+    def __init__(self, num_choices: int, add: AddRequest | None = None) -> None:
         self.num_choices = num_choices
         self.queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
         self.finished: set[int] = set()
+        self.add = add
+        self.output_token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+        self.num_prompt_logprobs_received = 0  # prompt positions below this have their entry
+        self.ended_here: set[int] = set()  # choices aborted alone by the frontend (a stop string)
 
     @property
     def done(self) -> bool:
@@ -73,6 +85,13 @@ class RequestRoute:
     def put(self, delta: EngineDelta) -> None:
         if delta.choice_index in self.finished:
             return
+        self.output_token_ids[delta.choice_index].extend(delta.token_ids)
+        if delta.logprobs and self.add is not None:
+            num_prompt = len(self.add.prompt_token_ids)
+            prompt_positions = [entry.position for entry in delta.logprobs if entry.position < num_prompt]
+            if prompt_positions:
+                self.num_prompt_logprobs_received = max(self.num_prompt_logprobs_received,
+                                                        max(prompt_positions) + 1)
         if delta.finish_reason:
             self.finished.add(delta.choice_index)
         self.queue.put_nowait(delta)
@@ -82,6 +101,23 @@ class RequestRoute:
         now_s = time.monotonic()
         for index in range(self.num_choices):
             self.put(EngineDelta([], finish_reason, error_message, index, received_s=now_s))
+
+    def resubmission(self) -> AddRequest | None:
+        """The AddRequest that continues this request on a new scheduler (AddRequest.resume), or
+        None when no choice is left to run. Choices the frontend ended itself get here the
+        terminal "abort" delta that the lost scheduler would have sent."""
+        assert self.add is not None, "a route opened without its AddRequest cannot be resubmitted"
+        for index in self.ended_here - self.finished:
+            self.put(EngineDelta([], FinishReason.ABORT, "", index, received_s=time.monotonic()))
+        if self.done:
+            return None
+        lengths = [len(token_ids) for token_ids in self.output_token_ids]
+        resume = ResumedOutputs(
+            cu_token_ids=np.concatenate(([0], np.cumsum(lengths))).astype(np.int32),  # [n + 1]
+            token_ids=np.asarray([t for token_ids in self.output_token_ids for t in token_ids], dtype=np.int32),
+            finished=np.asarray([index in self.finished for index in range(self.num_choices)], dtype=np.bool_),
+            num_prompt_logprobs_received=self.num_prompt_logprobs_received)
+        return dataclasses.replace(self.add, resume=resume)
 
     async def deltas(self) -> AsyncIterator[EngineDelta]:
         num_finished = 0
@@ -108,11 +144,31 @@ class OutputRouter:
     def add_listener(self, listener: EngineListener) -> None:
         self._listeners.append(listener)
 
-    def open(self, request_id: str, num_choices: int) -> RequestRoute:
+    def open(self, request_id: str, num_choices: int, add: AddRequest | None = None) -> RequestRoute:
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        route = self._routes[request_id] = RequestRoute(num_choices)
+        route = self._routes[request_id] = RequestRoute(num_choices, add)
         return route
+
+    def end_choice_here(self, request_id: str, choice_index: int) -> None:
+        """The frontend ended this choice itself (and asks the scheduler to abort it)."""
+        route = self._routes.get(request_id)
+        if route is not None:
+            route.ended_here.add(choice_index)
+
+    def resubmissions(self) -> list[AddRequest]:
+        """A new scheduler replaced the lost one: the AddRequest that continues each open request
+        (routes with no choice left to run end now). Tell listeners (restart counters)."""
+        adds = []
+        for request_id, route in list(self._routes.items()):
+            add = route.resubmission()
+            if add is None:
+                del self._routes[request_id]
+            else:
+                adds.append(add)
+        for listener in self._listeners:
+            listener.on_scheduler_replaced()
+        return adds
 
     def is_open(self, request_id: str) -> bool:
         return request_id in self._routes

@@ -96,6 +96,8 @@ class FrontendMetrics:
         self.worker_restarts = self.process_restarts.labels(model_name, "worker")
         # The supervisor counts the frontend's own restarts and hands the total to each new one.
         self.frontend_restarts = self.process_restarts.labels(model_name, "frontend")
+        # Replaced schedulers this frontend recovered from (it sees each new one itself).
+        self.scheduler_restarts = self.process_restarts.labels(model_name, "scheduler")
         self.requests_recovered = counter("requests_recovered_total",
                                           "Running sequences requeued (tokens kept) when their worker "
                                           "group was replaced.")
@@ -180,6 +182,11 @@ class FrontendMetrics:
 
     def on_protocol_error(self) -> None:
         self.protocol_errors.inc()
+
+    def on_scheduler_replaced(self) -> None:
+        """A new scheduler's running totals start from zero: count on from there."""
+        self.scheduler_restarts.inc()
+        self._seen_totals = dict.fromkeys(self._seen_totals, 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

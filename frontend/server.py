@@ -18,7 +18,7 @@ import zmq
 
 from frontend.state import ServerState
 from proto import sockets
-from proto.messages import ProcessFailed, ProcessReady
+from proto.messages import ProcessFailed, ProcessReady, RestartScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class SupervisorLink:
-    """PUSH to the supervisor's CONTROL channel: one ProcessReady or ProcessFailed, ever."""
+    """PUSH to the supervisor's CONTROL channel: one ProcessReady or ProcessFailed, ever, and a
+    RestartScheduler for each scheduler that hangs."""
 
     def __init__(self, runtime_dir: str) -> None:
         self._context = zmq.Context()
@@ -36,6 +37,9 @@ class SupervisorLink:
 
     def ready(self, detail: str) -> None:
         sockets.send(self._sock, ProcessReady(PROCESS_NAME, os.getpid(), detail))
+
+    def restart_scheduler(self, pid: int, reason: str) -> None:
+        sockets.send(self._sock, RestartScheduler(pid, reason))
 
     def failed(self, message: str) -> None:
         sockets.send(self._sock, ProcessFailed(PROCESS_NAME, os.getpid(), message))

@@ -28,6 +28,19 @@ def check(value: object) -> None:
 def _check_add(message: messages.AddRequest) -> None:
     _need(len(message.prompt_token_ids) > 0, "AddRequest.prompt_token_ids is empty")
     _need(bool((message.prompt_token_ids >= 0).all()), "AddRequest has negative token ids")
+    resume = message.resume
+    if resume is not None:
+        n = message.sampling_params.n
+        _check_offsets("AddRequest.resume.cu_token_ids", resume.cu_token_ids, n, len(resume.token_ids))
+        _need(len(resume.finished) == n, f"AddRequest.resume.finished needs {n} entries")
+        _need(resume.num_prompt_logprobs_received >= 0, "AddRequest.resume.num_prompt_logprobs_received < 0")
+        _need(bool((resume.token_ids >= 0).all()), "AddRequest.resume has negative token ids")
+        _need(not resume.finished.all(), "AddRequest.resume has no unfinished choice")
+        running = np.diff(resume.cu_token_ids)[~resume.finished]  # int32 [num_unfinished]
+        most = int(running.max()) if len(running) else 0
+        _need(most < message.sampling_params.max_tokens,
+              f"AddRequest.resume has a choice with {most} tokens; max_tokens is "
+              f"{message.sampling_params.max_tokens}, so it would have finished")
 
 
 def _check_abort(message: messages.AbortRequest) -> None:

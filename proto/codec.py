@@ -86,24 +86,19 @@ def _compile_encoders(cls: type) -> list[tuple[str, Callable[[object], object] |
             encoders.append((name, lambda v, wire=wire: np.ascontiguousarray(v, dtype=wire).tobytes()))
         elif dataclasses.is_dataclass(hint):
             encoders.append((name, _encode_fields))
-        elif dataclasses.is_dataclass(_optional_inner(hint)):
-            encoders.append((name, _encode_optional))
+        elif _optional_dataclass(hint):
+            encoders.append((name, lambda v: None if v is None else _encode_fields(v)))
         else:
             encoders.append((name, None))
     _ENCODERS[cls] = encoders
     return encoders
 
 
-def _optional_inner(hint: object) -> object:
-    """X for an `X | None` hint, else None."""
+def _optional_dataclass(hint: object) -> bool:
+    """`SomeDataclass | None`: nested fields, or nil."""
     args = typing.get_args(hint)
-    if typing.get_origin(hint) is types.UnionType and len(args) == 2 and type(None) in args:
-        return args[0] if args[1] is type(None) else args[1]
-    return None
-
-
-def _encode_optional(value: object) -> list | None:
-    return None if value is None else _encode_fields(value)
+    return (typing.get_origin(hint) is types.UnionType and type(None) in args
+            and any(dataclasses.is_dataclass(arg) for arg in args))
 
 
 def _build(cls: type, values: object, where: str) -> object:

@@ -5,7 +5,8 @@ Channels (one writer role, one reader role each; proto.sockets names what each r
   scheduler -> worker[r] : StepPlan (the same plan to every rank)
   worker    -> scheduler : WorkerReady (every rank, once), StepResult (every rank, every step)
   scheduler -> frontend  : StepOutputs (every step, plus idle heartbeats)
-  any child -> supervisor: ProcessReady, ProcessFailed, RestartWorkers (scheduler only)
+  any child -> supervisor: ProcessReady, ProcessFailed, RestartWorkers (scheduler only),
+                           RestartScheduler (frontend only)
 """
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ class AddRequest:
     sampling_params: SamplingParams
     arrival_time_s: float  # wall clock (time.time()) when the frontend received it
     grammar: GrammarSpec | None = None  # the output constraint, checked by the frontend
+    resume: ResumedOutputs | None = None  # a resubmission to a replaced scheduler: continue from there
+
+
+@dataclass(frozen=True)
+class ResumedOutputs:
+    """What the frontend had received of a request when its scheduler was lost, per choice:
+    `token_ids[cu_token_ids[c]:cu_token_ids[c + 1]]` are choice c's output tokens so far (the new
+    scheduler creates the choice with them already generated), `finished[c]` a choice that ended
+    (it is not run again), and prompt logprobs of positions below `num_prompt_logprobs_received`
+    reached the frontend already (they are not sent twice)."""
+
+    cu_token_ids: Int32Array  # [n + 1]
+    token_ids: Int32Array  # [total_resumed_tokens]
+    finished: BoolArray  # [n]
+    num_prompt_logprobs_received: int = 0  # prompt positions 1..this - 1 were forwarded
 
 
 @dataclass(frozen=True)
@@ -174,6 +190,8 @@ class SchedulerStats:
     num_protocol_errors_total: int = 0
     num_worker_restarts_total: int = 0  # worker groups replaced after a fault
     workers_serving: bool = True  # False while the worker group is being replaced after a fault
+    scheduler_pid: int = 0  # the scheduler process that sent it: a new one means a replaced scheduler
+    frontend_epoch: int = 0  # FrontendHello.epoch of the last hello it read (the scheduler sends -1 before any)
 
 
 @dataclass(frozen=True)
@@ -252,9 +270,25 @@ class RestartWorkers:
 class FrontendHello:
     """Frontend -> scheduler, the first message of every frontend process: the requests still
     unfinished belong to an earlier frontend (their clients are gone) and are aborted; `pid` is
-    the process the scheduler watches so that it aborts this frontend's requests if it dies."""
+    the process the scheduler watches so that it aborts this frontend's requests if it dies.
+
+    A frontend says hello again, with the next `epoch`, to a scheduler that replaced a lost one,
+    before it resubmits its requests; the scheduler stamps every StepOutputs with the epoch of the
+    last hello it read (SchedulerStats.frontend_epoch), so the frontend can tell outputs sent
+    before its resubmissions (dropped) from those after."""
 
     pid: int
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class RestartScheduler:
+    """Frontend -> supervisor: the scheduler `pid` has sent nothing (no step, no heartbeat) for
+    longer than the hang bound; kill and replace it (with its worker group). A scheduler that
+    died needs no message: the supervisor sees its exit itself."""
+
+    pid: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -278,5 +312,5 @@ class StartGroup:
 
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, AbortRequest, StepPlan, StepResult, WorkerReady, StepOutputs,
-    ProcessReady, ProcessFailed, RestartWorkers, FrontendHello, GroupLost, StartGroup,
+    ProcessReady, ProcessFailed, RestartWorkers, FrontendHello, GroupLost, StartGroup, RestartScheduler,
 )

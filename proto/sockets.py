@@ -12,8 +12,8 @@ import zmq
 from proto import codec, transport
 from proto.config import EngineConfig
 from proto.messages import (AbortRequest, AddRequest, FrontendHello, GroupLost, ProcessFailed,
-                            ProcessReady, RestartWorkers, StartGroup, StepOutputs, StepPlan, StepResult,
-                            WorkerReady)
+                            ProcessReady, RestartScheduler, RestartWorkers, StartGroup, StepOutputs,
+                            StepPlan, StepResult, WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)
@@ -26,7 +26,7 @@ REQUEST_MESSAGES = (AddRequest, AbortRequest, FrontendHello)
 OUTPUT_MESSAGES = (StepOutputs,)
 RESULT_MESSAGES = (WorkerReady, StepResult)
 PLAN_MESSAGES = (StepPlan,)
-CONTROL_MESSAGES = (ProcessReady, ProcessFailed, RestartWorkers)
+CONTROL_MESSAGES = (ProcessReady, ProcessFailed, RestartWorkers, RestartScheduler)
 GROUP_TO_NODE0_MESSAGES = (GroupLost,)
 GROUP_FROM_NODE0_MESSAGES = (StartGroup,)
 

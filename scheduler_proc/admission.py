@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from proto.config import EngineConfig, prompt_fits
 from proto.errors import ValidationError
 from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL, AddRequest
@@ -19,7 +21,11 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
     Rejecting here, rather than letting it wait, is what keeps an impossible request from
     waiting forever: such a request would never fit, however long the others take. An empty
     queue takes any prompt that can run, so no prompt is refused by the token bound forever.
+    A resubmission to a replaced scheduler (AddRequest.resume) was admitted once already: the
+    queue limits do not refuse it.
     """
+    if message.resume is not None:
+        return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
     if num_waiting >= config.max_num_waiting:
         return (f"the waiting queue is full: {num_waiting} requests are waiting and "
                 f"max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
@@ -40,12 +46,33 @@ def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks:
     if config.vocab_size and int(prompt.max()) >= config.vocab_size:
         return (f"prompt token id {int(prompt.max())} is out of range for a vocabulary of "
                 f"{config.vocab_size}")
+    if message.resume is not None:
+        resume_error = _resume_error(message, config)
+        if resume_error:
+            return resume_error
     if config.vocab_size:  # the decoder validated the rest; it cannot know the vocabulary
         try:
             message.sampling_params.check_vocab(config.vocab_size)
         except ValidationError as exc:
             return exc.message
     return _kv_capacity_error(num_prompt, message.sampling_params.max_tokens, config, num_kv_blocks)
+
+
+def _resume_error(message: AddRequest, config: EngineConfig) -> str:
+    """Resumed output tokens the model could not have made, or so many that the choice would
+    have finished (the frontend never resubmits such a choice)."""
+    resume, num_prompt = message.resume, len(message.prompt_token_ids)
+    token_ids = resume.token_ids
+    if config.vocab_size and len(token_ids) and int(token_ids.max()) >= config.vocab_size:
+        return (f"resumed output token id {int(token_ids.max())} is out of range for a vocabulary "
+                f"of {config.vocab_size}")
+    max_outputs = max_num_kv_tokens(num_prompt, message.sampling_params.max_tokens, config.max_model_len) \
+        + 1 - num_prompt
+    lengths = np.diff(resume.cu_token_ids)[~resume.finished]  # int32 [num_unfinished]
+    if len(lengths) and int(lengths.max()) >= max_outputs:
+        return (f"a resumed choice has {int(lengths.max())} output tokens; at most {max_outputs - 1} "
+                f"can precede another one (max_tokens and max_model_len)")
+    return ""
 
 
 def _kv_capacity_error(num_prompt: int, max_tokens: int, config: EngineConfig, num_kv_blocks: int) -> str:

@@ -35,16 +35,27 @@ def choice_seed(seed: int, choice_index: int) -> int:
 
 def make_choices(message: AddRequest, seed: int, config: EngineConfig,
                  grammars: Sequence[SequenceGrammar] = ()) -> list[Request]:
-    """Choice 0 (WAITING) and its siblings (HELD, listed in choice 0's held_siblings); with
-    `grammars` (a constrained request), choice i owns matcher grammars[i]."""
-    params = message.sampling_params
+    """The leader (WAITING) and its siblings (HELD, listed in the leader's held_siblings): choice 0
+    and the others, or for a resubmission (AddRequest.resume) only the unfinished choices, the
+    lowest one leading, each restored with the output tokens the frontend already has. With
+    `grammars` (a constrained request), choice i owns matcher grammars[i], replayed over the
+    restored tokens of a resubmission."""
+    params, resume = message.sampling_params, message.resume
 
     def choice(index: int, leader: Request | None) -> Request:
-        return Request(message.request_id, message.prompt_token_ids, params, seed=choice_seed(seed, index),
-                       eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len,
-                       choice_index=index, leader=leader, grammar=grammars[index] if grammars else None)
+        grammar = grammars[index] if grammars else None
+        request = Request(message.request_id, message.prompt_token_ids, params, seed=choice_seed(seed, index),
+                          eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len,
+                          choice_index=index, leader=leader, grammar=grammar)
+        if resume is not None:
+            start, end = int(resume.cu_token_ids[index]), int(resume.cu_token_ids[index + 1])
+            if grammar is not None:
+                grammar.replay(resume.token_ids[start:end].tolist())
+            request.restore_outputs(resume.token_ids[start:end], resume.num_prompt_logprobs_received)
+        return request
 
-    leader = choice(0, None)
-    siblings = [choice(index, leader) for index in range(1, params.n)]
+    indices = [index for index in range(params.n) if resume is None or not resume.finished[index]]
+    leader = choice(indices[0], None)
+    siblings = [choice(index, leader) for index in indices[1:]]
     leader.hold(siblings)
     return [leader, *siblings]

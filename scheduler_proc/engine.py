@@ -69,6 +69,8 @@ class SchedulerEngine:
         self._in_flight: _InFlightStep | None = None
         self._next_step_id = 0
         self.num_requests_recovered_total = 0
+        self.scheduler_pid = 0  # stamped on every StepOutputs (the loop sets both)
+        self.frontend_epoch = -1  # FrontendHello.epoch of the last hello read
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -216,6 +218,12 @@ class SchedulerEngine:
         """Current stats (and any pending outputs and events) with step_id -1."""
         return self._outputs.build(HEARTBEAT_STEP_ID, self.stats(), 0.0)
 
+    def progress_heartbeat(self) -> StepOutputs:
+        """Stats alone, step_id -1, while a step is in flight: pending events stay for the step's
+        own outputs (a heartbeat that is not taken loses nothing)."""
+        return StepOutputs(HEARTBEAT_STEP_ID, [], np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32),
+                           [], [], self.stats())
+
     def stats(self) -> SchedulerStats:
         block_manager = self.block_manager
         return SchedulerStats(num_running=len(self.queues.running),
@@ -226,7 +234,8 @@ class SchedulerEngine:
                               num_padded_slot_steps_total=self.policy.num_padded_seat_steps_total,
                               prefix_cache_queries_total=block_manager.prefix_cache_queries_total,
                               prefix_cache_hits_total=block_manager.prefix_cache_hits_total,
-                              num_requests_recovered_total=self.num_requests_recovered_total)
+                              num_requests_recovered_total=self.num_requests_recovered_total,
+                              scheduler_pid=self.scheduler_pid, frontend_epoch=self.frontend_epoch)
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants()

@@ -18,13 +18,16 @@ from proto.errors import ProtocolError, ValidationError
 from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
                             RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
 from scheduler_proc.engine import SchedulerEngine
+from scheduler_proc.faults import SchedulerFault
 from scheduler_proc.frontend_watch import FrontendWatch
 
 Message = TypeVar("Message")
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0  # the frontend's liveness signal while nothing else is sent
+# The frontend's liveness signal while nothing else is sent: idle, during a step (while it waits
+# for the workers) and while a worker group is replaced. A longer silence means a hung scheduler.
+HEARTBEAT_INTERVAL_S = 1.0
 POLL_SLICE_S = 0.5  # longest blocking wait before re-checking stop requests and the parent
 MAX_FRAMES_PER_DRAIN = 4096  # bounds one inbox drain so a flood cannot starve running steps
 FINAL_MESSAGE_LINGER_MS = 1000  # time for last outputs / ProcessFailed to leave at exit
@@ -54,6 +57,8 @@ class SchedulerLoop:
         self._generation = -1  # the serving worker group's (WorkerReady.generation); stamped on plans
         self.num_worker_restarts = 0  # worker groups lost and replaced
         self._frontend = FrontendWatch(_process_alive)
+        self._frontend_epoch = -1  # FrontendHello.epoch of the last hello
+        self._fault: SchedulerFault | None = None  # test-only (CONVEYOR_SCHEDULER_FAULT)
 
     def request_stop(self) -> None:
         """Ask the loop to finish; safe to call from a signal handler or another thread."""
@@ -68,10 +73,18 @@ class SchedulerLoop:
             self._close()
             return 1
         try:
+            self._fault = SchedulerFault.from_environ()
+        except ValueError as exc:
+            self._fail(str(exc))
+            self._close()
+            return 1
+        try:
             num_kv_blocks = self._await_workers()
             if num_kv_blocks is None:
                 return 0 if self._should_exit() else 1
             self.engine = SchedulerEngine(self.config, num_kv_blocks)
+            self.engine.scheduler_pid = os.getpid()
+            self.engine.frontend_epoch = self._frontend_epoch
             self._workers_serving = True
             sockets.send(self._control, ProcessReady("scheduler", os.getpid(), f"{num_kv_blocks} KV blocks"))
             logger.info("scheduler ready: %d KV blocks of %d tokens, %s scheduling", num_kv_blocks,
@@ -234,6 +247,7 @@ class SchedulerLoop:
                     self.engine.abort(abort.request_ids, abort.choice_indices.tolist())
                 case FrontendHello() as hello:
                     self._greet_frontend(hello.pid)
+                    self._frontend_epoch = self.engine.frontend_epoch = hello.epoch
 
     def _greet_frontend(self, pid: int) -> None:
         """A frontend (re)started. Its hello comes before its requests on its one connection, so
@@ -278,6 +292,8 @@ class SchedulerLoop:
         return time.monotonic() - self._last_sent_s >= HEARTBEAT_INTERVAL_S
 
     def _run_step(self, plan: StepPlan) -> StepOutputs:
+        if self._fault is not None:
+            self._fault.fire(plan.step_id)
         # Encoded once, the same bytes to every rank; a rank of another group refuses it.
         frame = codec.encode(dataclasses.replace(plan, generation=self._generation))
         deadline = time.monotonic() + self.config.step_timeout_s
@@ -341,6 +357,8 @@ class SchedulerLoop:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 break
+            if self._heartbeat_due():  # a long step is not a hung scheduler
+                self._send_outputs(self.engine.progress_heartbeat(), wait=False)
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
                 # Any rank gone, even one that answered (with its collective's error), lost the group.
                 dead = self._dead_ranks(list(range(num_ranks)))

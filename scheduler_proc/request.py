@@ -131,6 +131,24 @@ class Request:
         such a prompt is computed from position 0 (its blocks are still published for others)."""
         return not self.prompt_logprobs_pending
 
+    def restore_outputs(self, output_token_ids: np.ndarray, num_prompt_logprobs_received: int) -> None:
+        """A request resubmitted to a replaced scheduler: its output tokens so far (int32
+        [num_resumed]) were generated already (like a preempted sequence, it recomputes prompt +
+        output before it samples the next one), so max_tokens, min_tokens, penalties and the stop
+        rule count them; prompt logprobs below num_prompt_logprobs_received were forwarded, and
+        none are owed once an output token exists (the prompt was computed)."""
+        assert self.num_computed_tokens == 0 and self.num_output_tokens == 0 and not self.was_scheduled, \
+            f"{self} restored after it started"
+        assert len(output_token_ids) < self.max_num_kv_tokens + 1 - self.num_prompt_tokens, \
+            f"{self} restored with {len(output_token_ids)} tokens: it would have finished"
+        if len(output_token_ids):
+            self._token_ids.extend(output_token_ids)
+            self.num_tokens += len(output_token_ids)
+            self.last_token_id = int(output_token_ids[-1])
+        self.forwarded_prompt_logprobs(num_prompt_logprobs_received)
+        if len(output_token_ids) or self.next_prompt_logprob_position >= self.num_prompt_tokens:
+            self.prompt_logprobs_pending = False
+
     def token_at(self, position: int) -> int:
         return self.last_token_id if position == self.num_tokens - 1 else int(self._token_ids.view[position])
 

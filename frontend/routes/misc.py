@@ -34,6 +34,8 @@ async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     if state.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
+    if getattr(state.engine, "recovering", False):  # a replaced scheduler is taking over
+        return JSONResponse({"status": "recovering"}, status_code=503)
     if not state.engine.is_alive():
         status = "starting" if state.engine.latest_stats is None else "engine_unavailable"
         return JSONResponse({"status": status}, status_code=503)

@@ -29,13 +29,14 @@ def test_a_worker_that_cannot_load_the_model_fails_start_up_by_name(
             pass
 
 
-def test_the_stack_stops_every_process_when_one_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with Stack(tiny_config(tiny_model_dir), log_dir=tmp_path) as stack:
+def test_the_stack_stops_every_process_when_one_dies_with_no_restart_left(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    with Stack(tiny_config(tiny_model_dir, max_restarts=0), log_dir=tmp_path) as stack:
         pids = [child.process.pid for child in stack.children]
         scheduler = next(c for c in stack.children if c.name == "scheduler")
         scheduler.process.kill()
         reason = stack.watch(lambda: False, poll_s=0.1)
-        assert "scheduler" in reason
+        assert "scheduler" in reason and "--max-restarts 0" in reason
     assert not any(process_alive(pid) for pid in pids)
 
 
