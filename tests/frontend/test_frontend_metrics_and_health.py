@@ -170,7 +170,9 @@ async def test_each_app_has_its_own_metrics_registry(config, engine, tokenizer):
 
 
 async def test_health_follows_scheduler_heartbeats(config, tokenizer):
-    engine = ZmqEngineClient("/nonexistent", alive_timeout_s=0.3)  # never started: frames fed by hand
+    # Never started: frames fed by hand. 1 s of silence means hung: long enough for two requests
+    # on a loaded machine, short enough to wait out.
+    engine = ZmqEngineClient("/nonexistent", alive_timeout_s=1.0)
     app = create_app(config, engine, tokenizer)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         response = await http.get("/health")
@@ -179,7 +181,7 @@ async def test_health_follows_scheduler_heartbeats(config, tokenizer):
         assert (await http.get("/health")).status_code == 200
         values = samples((await http.get("/metrics")).text)
         assert values["conveyor:kv_cache_usage_perc"] == 0.5
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(1.1)
         response = await http.get("/health")  # heartbeats stopped: hung or dead
         assert (response.status_code, response.json()["status"]) == (503, "engine_unavailable")
         engine.handle_frame(codec.encode(dataclasses.replace(heartbeat(), step_id=3)))

@@ -28,7 +28,7 @@ def add_resumed(harness: Harness, request_id: str, prompt: list[int], resume: Re
                 **params: object) -> None:
     params.setdefault("temperature", 0.0)
     message = AddRequest(request_id, np.asarray(prompt, dtype=np.int32), SamplingParams(**params), time.time(),
-                         resume)
+                         resume=resume)
     message = codec.decode(codec.encode(message), AddRequest)  # as the scheduler reads it
     for index in range(int(params.get("n", 1))):
         start, end = int(resume.cu_token_ids[index]), int(resume.cu_token_ids[index + 1])
@@ -148,7 +148,7 @@ def test_a_resume_that_could_not_have_happened_is_refused_with_the_reason() -> N
     (ResumedOutputs(np.array([0, 3], np.int32), np.array([1, 2], np.int32), np.array([False])), "run from 0 to 2"),
 ])
 def test_a_malformed_resume_is_a_protocol_error(resume: ResumedOutputs, match: str) -> None:
-    message = AddRequest("x", np.asarray(PROMPT, np.int32), SamplingParams(max_tokens=3), 0.0, resume)
+    message = AddRequest("x", np.asarray(PROMPT, np.int32), SamplingParams(max_tokens=3), 0.0, resume=resume)
     with pytest.raises(ProtocolError, match=match):
         codec.decode(codec.encode(message), AddRequest)
 
