@@ -1,0 +1,157 @@
+"""How the supervisor replaces a lost process: a worker group (on this node, or on every node in
+the group node 0's supervisor names), the frontend, or the scheduler with its worker group, each
+against the one restart budget (deploy/restarts.py), with a log line naming the process and cause.
+
+`Replacements` is the part of `deploy.launcher.Stack` that does it; it works on the Stack's
+children, config, restart budget and group channel, and on its `_spawn` / `_wait_ready`.
+"""
+
+from __future__ import annotations
+
+import logging
+from deploy.children import Child, StartupError
+from proto.messages import GroupLost, StartGroup
+
+log = logging.getLogger("conveyor.deploy")
+
+
+class Replacements:
+    """Mixed into Stack: replacing what the watch found lost."""
+
+    def _follow_group(self) -> str:
+        """Across nodes: node 0 replaces its group for a rank lost on another node and repeats the
+        current generation; another node starts the group node 0 names. '' or why to stop."""
+        if self._group is None:
+            return ""
+        self._group.poll_announce()
+        message = self._group.receive()
+        if message is None:
+            return self._group.node0_silence()
+        if isinstance(message, GroupLost) and message.generation == self.config.worker_generation:
+            return self._replace_group(f"node {message.node_rank} lost a rank: {message.cause}")
+        if isinstance(message, GroupLost):  # a group already replaced
+            log.info("node %d lost a rank of old worker group %d: %s", message.node_rank,
+                     message.generation, message.cause)
+        if isinstance(message, StartGroup) and message.generation > self.config.worker_generation:
+            return self._replace_group(f"node 0 started worker group {message.generation} "
+                                       f"({message.cause})", message.generation)
+        return ""
+
+    def _workers(self) -> list[Child]:
+        return [child for child in self.children if child.module == "worker_proc"]
+
+    def _kill_ranks(self, ranks: list[int], reason: str) -> None:
+        """Kill the named hung ranks of this node; a named rank on another node takes this node's
+        whole group with it (its replacement on every node follows from the deaths)."""
+        remote = [rank for rank in ranks if rank not in self.config.local_ranks]
+        if remote:
+            reason = f"{reason}; rank {remote[0]} runs on another node, so this node's group goes too"
+        for child in self._workers():
+            if (child.rank in ranks or remote) and child.process is not None and child.process.poll() is None:
+                log.error("%s (pid %d, tensor-parallel rank %d) hangs: %s; killing it", child.name,
+                          child.process.pid, child.rank, reason)
+                self._kill_reasons[child.process.pid] = reason
+                child.process.kill()
+
+    def _kill_hung_scheduler(self, pid: int, reason: str) -> None:
+        """The frontend heard nothing from scheduler `pid` for too long: kill it (the watch then
+        replaces it). A report about a scheduler replaced meanwhile is ignored."""
+        for child in self.children:
+            if child.module == "scheduler_proc" and child.process is not None and child.process.pid == pid \
+                    and child.process.poll() is None:
+                log.error("scheduler (pid %d) hangs: %s; killing it", pid, reason)
+                self._kill_reasons[pid] = reason
+                child.process.kill()
+
+    def _replace_scheduler(self, dead: Child) -> str:
+        """The scheduler died (or was killed for hanging): start a new one and a fresh worker group
+        with it (the workers' step sockets and KV cache belonged to the lost one). The frontend
+        resubmits its requests once the new scheduler talks. '' once the new processes are ready,
+        else why the stack must stop (--max-restarts reached, or they did not start)."""
+        cause = dead.describe_exit()
+        killed_for = self._kill_reasons.pop(dead.process.pid, "")
+        if killed_for:
+            cause = f"{cause} after it hung ({killed_for})"
+        if not self.restarts.allow(cause):
+            return self.restarts.exhausted(cause)
+        log.error("%s; replacing the scheduler and the worker group (restart %d, at most %d within "
+                  "%.0f s)", cause, self.restarts.num_restarts_total, self.restarts.max_restarts,
+                  self.restarts.window_s)
+        self.config = self.config.with_updates(worker_generation=self.config.worker_generation + 1)
+        engine = [dead, *self._workers()]
+        for child in engine:
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+            if child.process is not None:
+                child.process.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+            self._spawn(child)
+        try:
+            self._wait_ready({child.name for child in engine})
+        except StartupError as exc:
+            return f"the replacement scheduler did not start: {exc}"
+        return ""
+
+    def _replace_workers(self, dead: Child) -> str:
+        """A worker died (or was killed for hanging): start a fresh group of this node's workers,
+        the survivors killed first (the group's collectives and KV cache went with the dead one).
+        Returns '' once replaced, else why the stack must stop (--max-restarts reached)."""
+        cause = dead.describe_exit()
+        killed_for = self._kill_reasons.pop(dead.process.pid, "")
+        if killed_for:
+            cause = f"{cause} after it hung ({killed_for})"
+        if self.config.node_rank == 0:
+            return self._replace_group(cause)
+        # Only node 0 picks the next group: stop ours, tell it, and start the one it names.
+        log.error("%s; stopping this node's ranks of worker group %d and asking node 0 for a new "
+                  "group", cause, self.config.worker_generation)
+        self._stop_workers()
+        self._group.report_lost(self.config.worker_generation, cause)
+        return ""
+
+    def _replace_group(self, cause: str, generation: int = -1) -> str:
+        """Start this node's ranks of a fresh worker group: `generation` (another node: the one
+        node 0 named), or node 0's next one, announced to every other node. Returns '' once
+        started, else why the stack must stop (--max-restarts reached on this node)."""
+        if not self.restarts.allow(cause):
+            return self.restarts.exhausted(cause)
+        generation = self.config.worker_generation + 1 if generation < 0 else generation
+        log.error("%s; replacing the worker group with group %d (restart %d, at most %d within %.0f s)",
+                  cause, generation, self.restarts.num_restarts_total, self.restarts.max_restarts,
+                  self.restarts.window_s)
+        self._stop_workers()
+        self.config = self.config.with_updates(worker_generation=generation)
+        for child in self._workers():
+            self._spawn(child)
+        if self._group is not None and self.config.node_rank == 0:
+            self._group.announce(generation, cause)
+        return ""
+
+    def _stop_workers(self) -> None:
+        """Kill this node's workers and reap them (none left behind to join a later group); a
+        stopped worker has no process until the next group starts it."""
+        for child in self._workers():
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+            if child.process is not None:
+                child.process.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+            child.process = None
+
+    def _restart_frontend(self, dead: Child) -> str:
+        """The frontend died, and its clients' connections with it (the scheduler aborts their
+        requests itself, seeing the process gone): start a new one on the same port, told how
+        many restarts came before it. '' once started, else why the stack must stop."""
+        cause = dead.describe_exit()
+        if not self.restarts.allow(cause):
+            return self.restarts.exhausted(cause)
+        log.error("%s; restarting the frontend (restart %d, at most %d within %.0f s)", cause,
+                  self.restarts.num_restarts_total, self.restarts.max_restarts, self.restarts.window_s)
+        self.num_frontend_restarts += 1
+        dead.extra_args = ["--restarts", str(self.num_frontend_restarts)]
+        if dead.log_file is not None:
+            dead.log_file.close()
+        self._spawn(dead)
+        return ""
