@@ -113,7 +113,8 @@ def test_a_rank_that_does_not_answer_a_step_is_killed_and_replaced_naming_it(
             probe = HealthProbe(stack.url)
             os.kill(stuck.pid, signal.SIGSTOP)  # the supervisor's SIGKILL still ends it
             response = httpx.post(f"{stack.url}/v1/completions", timeout=60,
-                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
+                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                        "temperature": 0, "ignore_eos": True})
             time.sleep(1.5)
     probe.join(timeout=60)
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
