@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -165,3 +166,31 @@ def caplog_of(logger_name: str) -> Iterator[list[str]]:
         yield records
     finally:
         logger.removeHandler(handler)
+
+
+def recovery_workload(label: str, seed_base: int, num_requests: int = 8) -> tuple[list[str], list[dict]]:
+    """Prompts and params for the recovery tests: greedy and seeded-sampled requests alternate, so
+    both must come out exactly as an undisturbed run's."""
+    prompts = [f"{label} {i}: the quick brown fox" + " jumps over" * (i % 3) for i in range(num_requests)]
+    params = [{"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.9, "seed": seed_base + i}
+              for i in range(num_requests)]
+    return prompts, params
+
+
+def stream_burst(url: str, prompts: list[str], params: list[dict], max_tokens: int,
+                 timeout_s: float = 180.0) -> list[tuple[str, str]]:
+    """Stream every completion at once; each one's (text, finish_reason), after checking that its
+    stream ended with [DONE]."""
+    async def one(client: httpx.AsyncClient, prompt: str, fields: dict) -> tuple[str, str]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, **fields}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = sse_events([line async for line in response.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        chunks = [event for event in events[:-1] if event["choices"]]
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+    async def burst() -> list[tuple[str, str]]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+            return await asyncio.gather(*(one(client, p, q) for p, q in zip(prompts, params)))
+    return asyncio.run(burst())

@@ -4,7 +4,6 @@ launcher with CONVEYOR_FAULT_INJECTION, read only by the worker loop)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,32 +11,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import children_of, metric_value, sse_events, supervised, tiny_config
+from support import children_of, metric_value, recovery_workload, stream_burst, supervised, tiny_config
 
 from deploy.launcher import Stack, StartupError
 
-PROMPTS = [f"Recovery {i}: the quick brown fox" + " jumps over" * (i % 3) for i in range(8)]
+PROMPTS, PARAMS = recovery_workload("Recovery", seed_base=100)
 MAX_TOKENS = 24
-# Greedy and seeded-sampled requests: both must come out exactly as an undisturbed run's.
-PARAMS = [{"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.9, "seed": 100 + i}
-          for i in range(len(PROMPTS))]
-
-
-async def _stream(client: httpx.AsyncClient, prompt: str, params: dict) -> tuple[str, str]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, **params}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        events = sse_events([line async for line in response.aiter_lines()])
-    assert events[-1] == "[DONE]"
-    chunks = [event for event in events[:-1] if event["choices"]]
-    return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
 
 
 def run_burst(url: str) -> list[tuple[str, str]]:
-    async def burst() -> list[tuple[str, str]]:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            return await asyncio.gather(*(_stream(client, p, q) for p, q in zip(PROMPTS, PARAMS)))
-    return asyncio.run(burst())
+    return stream_burst(url, PROMPTS, PARAMS, MAX_TOKENS, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
