@@ -80,12 +80,7 @@ class Replacements:
         self.config = self.config.with_updates(worker_generation=self.config.worker_generation + 1)
         engine = [dead, *self._workers()]
         for child in engine:
-            if child.process is not None and child.process.poll() is None:
-                child.process.kill()
-            if child.process is not None:
-                child.process.wait()
-            if child.log_file is not None:
-                child.log_file.close()
+            _kill_and_reap(child)
             self._spawn(child)
         try:
             self._wait_ready({child.name for child in engine})
@@ -132,12 +127,7 @@ class Replacements:
         """Kill this node's workers and reap them (none left behind to join a later group); a
         stopped worker has no process until the next group starts it."""
         for child in self._workers():
-            if child.process is not None and child.process.poll() is None:
-                child.process.kill()
-            if child.process is not None:
-                child.process.wait()
-            if child.log_file is not None:
-                child.log_file.close()
+            _kill_and_reap(child)
             child.process = None
 
     def _restart_frontend(self, dead: Child) -> str:
@@ -151,7 +141,16 @@ class Replacements:
                   self.restarts.num_restarts_total, self.restarts.max_restarts, self.restarts.window_s)
         self.num_frontend_restarts += 1
         dead.extra_args = ["--restarts", str(self.num_frontend_restarts)]
-        if dead.log_file is not None:
-            dead.log_file.close()
+        _kill_and_reap(dead)
         self._spawn(dead)
         return ""
+
+
+def _kill_and_reap(child: Child) -> None:
+    """SIGKILL the child if it still runs, reap it, and close its log: ready to be started again."""
+    if child.process is not None and child.process.poll() is None:
+        child.process.kill()
+    if child.process is not None:
+        child.process.wait()
+    if child.log_file is not None:
+        child.log_file.close()
