@@ -12,7 +12,6 @@ import tokenizers
 
 from proto.grammar import GrammarSpec, engine_grammar
 from scheduler_proc.grammar import GrammarError, GrammarTable, bitmask_words, fill_bitmask
-from tiny_model import build_tiny_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
                                            "role": {"enum": ["admin", "user"]},
@@ -22,21 +21,9 @@ DOCUMENT = '{"name": "fox", "n": 12, "role": "admin", "tags": ["a", "bc"]}'
 MODEL_VOCAB = 520  # the tiny tokenizer has 512 tokens; the model's logits are wider
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("grammar-tokenizer")
-    build_tiny_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def backend(model_dir: Path) -> tokenizers.Tokenizer:
-    return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
 @pytest.fixture()
-def table(model_dir: Path, backend: tokenizers.Tokenizer) -> GrammarTable:
-    return GrammarTable.from_model_dir(model_dir, MODEL_VOCAB, [backend.token_to_id("<|im_end|>")])
+def table(tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> GrammarTable:
+    return GrammarTable.from_model_dir(tokenizer_dir, MODEL_VOCAB, [backend.token_to_id("<|im_end|>")])
 
 
 def _allowed(row: np.ndarray, token_id: int) -> bool:

@@ -19,7 +19,6 @@ from proto.messages import AddRequest, StepPlan
 from proto.sampling import SamplingParams
 from scheduler_fakes import FakeWorker, Harness, choice_key
 from scheduler_proc.constraints import NO_MASKS
-from tiny_model import build_tiny_tokenizer
 
 VOCAB = 520  # the tiny tokenizer has 512 tokens; the model's logits are wider
 SCHEMA = {"type": "object",
@@ -29,16 +28,6 @@ SCHEMA = {"type": "object",
 SPEC = GrammarSpec.json_schema(SCHEMA)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("structured-output")
-    build_tiny_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def backend(model_dir: Path) -> tokenizers.Tokenizer:
-    return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 class GrammarWorker(FakeWorker):
@@ -61,9 +50,9 @@ class GrammarWorker(FakeWorker):
         return token
 
 
-def make_harness(model_dir: Path, backend: tokenizers.Tokenizer, num_blocks: int = 64,
+def make_harness(tokenizer_dir: Path, backend: tokenizers.Tokenizer, num_blocks: int = 64,
                  **changes: object) -> Harness:
-    harness = Harness(num_blocks=num_blocks, model=str(model_dir), vocab_size=VOCAB,
+    harness = Harness(num_blocks=num_blocks, model=str(tokenizer_dir), vocab_size=VOCAB,
                       eos_token_ids=(backend.token_to_id("<|im_end|>"),), **changes)
     harness.worker = GrammarWorker(num_blocks, harness.config.block_size)
     return harness
@@ -88,8 +77,8 @@ def assert_valid(backend: tokenizers.Tokenizer, token_ids: list[int]) -> dict:
 
 
 def test_a_constrained_request_stops_with_output_that_validates_against_its_schema(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
-    harness = make_harness(model_dir, backend, max_num_batched_tokens=8)  # a prompt over several chunks
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend, max_num_batched_tokens=8)  # a prompt over several chunks
     add(harness, "r", 20)
     plans = harness.run()
     assert harness.log.finish_reasons["r"] == "stop"
@@ -100,14 +89,14 @@ def test_a_constrained_request_stops_with_output_that_validates_against_its_sche
 
 
 def test_constrained_and_unconstrained_rows_share_a_batch_each_as_it_runs_alone(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
     alone = {}
     for request_id, grammar in (("json", SPEC), ("free", None)):
-        harness = make_harness(model_dir, backend)
+        harness = make_harness(tokenizer_dir, backend)
         add(harness, request_id, 6, grammar, max_tokens=120 if grammar else 30)
         harness.run()
         alone[request_id] = harness.log.tokens[request_id]
-    harness = make_harness(model_dir, backend)
+    harness = make_harness(tokenizer_dir, backend)
     add(harness, "json", 6, SPEC)
     add(harness, "free", 6, None, max_tokens=30)
     plans = harness.run()
@@ -119,8 +108,8 @@ def test_constrained_and_unconstrained_rows_share_a_batch_each_as_it_runs_alone(
 
 
 def test_every_sibling_of_an_n_request_owns_its_matcher_and_stops_valid(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
-    harness = make_harness(model_dir, backend)
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
     add(harness, "r", 10, n=3, temperature=1.0, seed=3)
     plans = harness.run()
     keys = ["r", "r#1", "r#2"]
@@ -131,16 +120,16 @@ def test_every_sibling_of_an_n_request_owns_its_matcher_and_stops_valid(
 
 
 def test_preemption_and_recompute_mid_output_keep_it_valid_and_unchanged(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
     def workload(harness: Harness) -> None:
         for index in range(4):
             add(harness, f"c{index}", 9, max_tokens=60)
         add(harness, "u", 9, None, max_tokens=40)
 
-    roomy = make_harness(model_dir, backend, num_blocks=200)
+    roomy = make_harness(tokenizer_dir, backend, num_blocks=200)
     workload(roomy)
     roomy.run()
-    tight = make_harness(model_dir, backend, num_blocks=30, max_num_seqs=5)
+    tight = make_harness(tokenizer_dir, backend, num_blocks=30, max_num_seqs=5)
     workload(tight)
     tight.run()
     assert tight.engine.queues.num_preemptions_total > 0 and roomy.engine.queues.num_preemptions_total == 0
@@ -152,11 +141,11 @@ def test_preemption_and_recompute_mid_output_keep_it_valid_and_unchanged(
 
 @pytest.mark.parametrize("lost_after", [1, 4, 9])
 def test_a_lost_worker_group_mid_output_keeps_the_matchers_and_the_output_valid(
-        model_dir: Path, backend: tokenizers.Tokenizer, lost_after: int) -> None:
-    undisturbed = make_harness(model_dir, backend)
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer, lost_after: int) -> None:
+    undisturbed = make_harness(tokenizer_dir, backend)
     add(undisturbed, "r", 9, n=2, temperature=1.0, seed=1)
     undisturbed.run()
-    harness = make_harness(model_dir, backend)
+    harness = make_harness(tokenizer_dir, backend)
     add(harness, "r", 9, n=2, temperature=1.0, seed=1)
     for _ in range(lost_after):
         harness.step()
@@ -174,8 +163,8 @@ def test_a_lost_worker_group_mid_output_keeps_the_matchers_and_the_output_valid(
 
 
 def test_a_finished_grammar_stops_the_request_even_with_ignore_eos(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
-    harness = make_harness(model_dir, backend)
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
     add(harness, "r", 5, GrammarSpec.choice(["yes", "no"]), ignore_eos=True, max_tokens=50)
     harness.run()
     assert harness.log.finish_reasons["r"] == "stop"
@@ -183,8 +172,8 @@ def test_a_finished_grammar_stops_the_request_even_with_ignore_eos(
 
 
 def test_a_token_the_grammar_rejects_ends_the_request_with_an_error_naming_it(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
-    harness = make_harness(model_dir, backend)
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
     harness.worker.ignores_masks = True
     add(harness, "r", 5)
     add(harness, "u", 5, None, max_tokens=4)
@@ -194,8 +183,8 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error_naming_it(
 
 
 def test_a_grammar_the_scheduler_cannot_compile_ends_the_request_with_an_error(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
-    harness = make_harness(model_dir, backend)
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
     add(harness, "bad", 5, GrammarSpec("regex", "(unclosed"), n=2)
     harness.run()
     assert harness.log.finish_reasons == {"bad": "error", "bad#1": "error"}
@@ -212,8 +201,8 @@ def test_without_a_model_tokenizer_a_constrained_request_fails_and_others_run(ba
 
 
 def test_an_unconstrained_step_carries_the_shared_empty_masks_and_builds_no_table(
-        model_dir: Path, backend: tokenizers.Tokenizer) -> None:
-    harness = make_harness(model_dir, backend)
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
     add(harness, "u", 5, None, max_tokens=3)
     plan = harness.engine.schedule()
     assert plan is not None and plan.grammar is NO_MASKS
