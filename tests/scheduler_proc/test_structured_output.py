@@ -28,8 +28,6 @@ SCHEMA = {"type": "object",
 SPEC = GrammarSpec.json_schema(SCHEMA)
 
 
-
-
 class GrammarWorker(FakeWorker):
     """A fake rank 0 that samples a constrained row uniformly among its allowed tokens (a pure
     function of the row's name and position); `ignores_masks`: a broken sampler that does not."""
