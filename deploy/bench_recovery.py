@@ -41,7 +41,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from deploy.bench_sweep import _free_port
+from deploy.bench_sweep import free_port
 from deploy.launcher import Stack, StartupError
 from deploy.model_info import ModelError, read_model_info
 from deploy.model_source import resolve_model
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             if args.process == "frontend":
                 trials = [_frontend_trial(stack) for _ in range(args.trials)]
             else:
-                trials = [_trial(stack, config.served_model_name, args) for _ in range(args.trials)]
+                trials = [_trial(stack, stack.config.served_model_name, args) for _ in range(args.trials)]
     except (ModelError, StartupError, OSError, RuntimeError) as exc:
         print(f"conveyor bench recovery: {exc}", file=sys.stderr)
         return 1
@@ -87,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model_dir)
     info = read_model_info(model_dir)
-    return EngineConfig(model=str(model_dir), served_model_name=model_dir.name, dtype=args.dtype,
-                        max_model_len=info.max_position_embeddings, vocab_size=info.vocab_size,
-                        eos_token_ids=info.eos_token_ids, port=args.port or _free_port(), log_level="warning",
+    # The launcher resolves max_model_len, vocab_size and the served name from the model.
+    return EngineConfig(model=str(model_dir), dtype=args.dtype, eos_token_ids=info.eos_token_ids,
+                        port=args.port or free_port(), log_level="warning",
                         max_restarts=max(EngineConfig().max_restarts, args.trials))
 
 

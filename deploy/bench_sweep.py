@@ -119,7 +119,7 @@ def _check_fits(entries: list[TraceEntry], config: EngineConfig) -> None:
 def _one_batch_size(config: EngineConfig, entries: list[TraceEntry], options: ReplayOptions,
                     result_dir: Path) -> dict:
     label = f"seqs{config.max_num_seqs}"
-    config = config.with_updates(port=config.port or _free_port())
+    config = config.with_updates(port=config.port or free_port())
     print(f"max_num_seqs {config.max_num_seqs}: starting conveyor on port {config.port}", file=sys.stderr)
     with Stack(config, log_dir=result_dir / f"logs-{label}") as stack:
         result = asyncio.run(replay(entries, stack.url, config.served_model_name, options))
@@ -132,7 +132,8 @@ def _one_batch_size(config: EngineConfig, entries: list[TraceEntry], options: Re
             "ttft_p99_ms": None if result["ttft_s"]["p99"] is None else round(1e3 * result["ttft_s"]["p99"], 3)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a conveyor a benchmark launches)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
