@@ -55,6 +55,7 @@ class Stack(Replacements):
         self.failure = ""  # why the stack is stopping, when a process died or reported failure
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
         self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed that worker
+        self._ready_deadlines: dict[str, float] = {}  # restarted child -> when it must be ready
         self.num_frontend_restarts = 0  # handed to each new frontend for its process_restarts_total
         self._group: GroupChannel | None = None  # the supervisors' channel when nnodes > 1
 
@@ -160,6 +161,7 @@ class Stack(Replacements):
         failure is kept in self.failure, which makes stop() fail fast instead of draining."""
         while not should_stop():
             reported = self._reported_failure(poll_s) or self._follow_group()
+            self._kill_unready_restarts()
             dead = self.dead_child()
             if dead is not None and dead.module in self._REPLACERS and not reported:
                 reported = getattr(self, self._REPLACERS[dead.module])(dead)
@@ -185,6 +187,7 @@ class Stack(Replacements):
         elif isinstance(message, RestartScheduler):
             self._kill_hung_scheduler(message.pid, message.reason)
         elif isinstance(message, ProcessReady):  # a replaced process is back
+            self._ready_deadlines.pop(message.name, None)
             log.info("%s ready (pid %d) %s", message.name, message.pid, message.detail)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
 

@@ -9,6 +9,8 @@ children, config, restart budget and group channel, and on its `_spawn` / `_wait
 from __future__ import annotations
 
 import logging
+import time
+
 from deploy.children import Child, StartupError
 from proto.messages import GroupLost, StartGroup
 
@@ -135,6 +137,9 @@ class Replacements:
         requests itself, seeing the process gone): start a new one on the same port, told how
         many restarts came before it. '' once started, else why the stack must stop."""
         cause = dead.describe_exit()
+        killed_for = self._kill_reasons.pop(dead.process.pid, "")
+        if killed_for:
+            cause = f"{cause}: {killed_for}"
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
         log.error("%s; restarting the frontend (restart %d, at most %d within %.0f s)", cause,
@@ -143,7 +148,25 @@ class Replacements:
         dead.extra_args = ["--restarts", str(self.num_frontend_restarts)]
         _kill_and_reap(dead)
         self._spawn(dead)
+        # The watch keeps serving the engine meanwhile, so it is the watch that holds the new
+        # frontend to --ready-timeout (kill_unready_restarts).
+        self._ready_deadlines[dead.name] = time.monotonic() + self.config.ready_timeout_s
         return ""
+
+    def _kill_unready_restarts(self) -> None:
+        """Kill a restarted process that has not reported ready within --ready-timeout (the watch
+        then restarts it again, against the same budget)."""
+        now = time.monotonic()
+        for child in self.children:
+            deadline = self._ready_deadlines.get(child.name)
+            if deadline is None or now < deadline:
+                continue
+            del self._ready_deadlines[child.name]
+            if child.process is not None and child.process.poll() is None:
+                reason = f"not ready {self.config.ready_timeout_s:.0f} s after its restart (--ready-timeout)"
+                log.error("%s (pid %d) is %s; killing it", child.name, child.process.pid, reason)
+                self._kill_reasons[child.process.pid] = reason
+                child.process.kill()
 
 
 def _kill_and_reap(child: Child) -> None:

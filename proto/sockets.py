@@ -31,6 +31,10 @@ GROUP_TO_NODE0_MESSAGES = (GroupLost,)
 GROUP_FROM_NODE0_MESSAGES = (StartGroup,)
 
 MIN_MAX_FRAME_BYTES = 64 << 20
+# Channels whose queue ZeroMQ must not cap (its default high-water mark is 1000 frames a side):
+# what bounds the requests channel is admission (max_num_waiting, max_waiting_tokens), and a
+# frontend resubmitting every open request to a replacement scheduler may send thousands at once.
+UNCAPPED_CHANNELS = (REQUESTS,)
 
 
 def plan_channel(rank: int) -> str:
@@ -115,14 +119,14 @@ def address(runtime_dir: str, channel: str) -> str:
 def bind(context: zmq.Context, kind: int, runtime_dir: str, channel: str,
          max_frame_bytes: int = -1) -> zmq.Socket:
     """max_frame_bytes (readers: max_frame_bytes(config)) caps inbound frames; -1 = no cap."""
-    sock = _new_socket(context, kind, max_frame_bytes)
+    sock = _new_socket(context, kind, max_frame_bytes, uncapped=channel in UNCAPPED_CHANNELS)
     sock.bind(address(runtime_dir, channel))
     return sock
 
 
 def connect(context: zmq.Context, kind: int, runtime_dir: str, channel: str,
             max_frame_bytes: int = -1) -> zmq.Socket:
-    sock = _new_socket(context, kind, max_frame_bytes)
+    sock = _new_socket(context, kind, max_frame_bytes, uncapped=channel in UNCAPPED_CHANNELS)
     sock.connect(address(runtime_dir, channel))
     return sock
 
@@ -175,9 +179,13 @@ def connect_channel(context: zmq.Context, kind: int, config: EngineConfig, chann
     return sock
 
 
-def _new_socket(context: zmq.Context, kind: int, max_frame_bytes: int, endpoint: str = "") -> zmq.Socket:
+def _new_socket(context: zmq.Context, kind: int, max_frame_bytes: int, endpoint: str = "",
+                uncapped: bool = False) -> zmq.Socket:
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if uncapped:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if endpoint.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)

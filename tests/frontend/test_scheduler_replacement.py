@@ -6,14 +6,16 @@ are dropped, and a silent scheduler is reported once."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import numpy as np
 import pytest
+import zmq
 
 from frontend.engine_client import ZmqEngineClient
 from frontend.engine_outputs import EngineDelta, OutputRouter
 from frontend.metrics import FrontendMetrics
-from proto import codec
+from proto import codec, sockets
 from proto.logprobs import LogprobEntries
 from proto.messages import AddRequest, FinishReason, FrontendHello, SchedulerStats, StepOutputs
 from proto.sampling import SamplingParams
@@ -148,3 +150,32 @@ async def test_a_silent_scheduler_is_reported_once_and_the_requests_are_held():
     client.fail_silent_requests()  # dead_after_s (the whole restart's bound) has not passed
     assert not pending.done()
     pending.cancel()
+
+
+async def test_thousands_of_open_requests_are_all_resubmitted_to_a_scheduler_not_yet_reading():
+    """ZeroMQ's default queue (1000 frames a side) would refuse most of them: the requests
+    channel is uncapped, admission bounds it."""
+    runtime_dir = sockets.make_runtime_dir()
+    context = zmq.Context()
+    scheduler_inbox = sockets.bind(context, zmq.PULL, runtime_dir, sockets.REQUESTS)
+    client = ZmqEngineClient(runtime_dir)
+    try:
+        await client.start()
+        num_requests = 5000
+        streams = [client.generate(f"r{i}", PROMPT.tolist(), SamplingParams(max_tokens=8, temperature=0.0))
+                   for i in range(num_requests)]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        await asyncio.sleep(0)  # each stream sends its AddRequest
+        client.handle_frame(codec.encode(outputs([], pid=100)))
+        client.handle_frame(codec.encode(outputs([], pid=200, epoch=-1)))  # a new scheduler
+        assert not any(first.done() for first in firsts), "a resubmission failed"
+        received = [codec.decode(sockets.recv_ready(scheduler_inbox, 5.0), sockets.REQUEST_MESSAGES)
+                    for _ in range(2 + 2 * num_requests)]  # two hellos
+        resubmitted = [m.request_id for m in received if isinstance(m, AddRequest) and m.resume is not None]
+        assert sorted(resubmitted) == sorted(f"r{i}" for i in range(num_requests))
+        for first in firsts:
+            first.cancel()
+    finally:
+        await client.close()
+        context.destroy(linger=0)
+        shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -5,6 +5,7 @@ it), and the new frontend serves new requests as the old one did."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -103,3 +104,23 @@ def test_a_killed_frontend_is_restarted_its_requests_aborted_at_once_and_past_th
     assert "frontend" in reasons[0] and "was killed by SIGKILL" in reasons[0]
     assert "--max-restarts 1" in reasons[0] and reasons[0].count("killed by SIGKILL") == 2
     assert not [pid for pid in children_of(os.getpid()) if pid in pids]
+
+
+def test_a_restarted_frontend_that_hangs_while_starting_is_killed_after_ready_timeout_and_restarted(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir, max_restarts=3, ready_timeout_s=20.0)
+    with Stack(config, log_dir=tmp_path) as stack, supervised(stack) as reasons, \
+            caplog_of("conveyor.deploy") as supervisor_log:
+        first = frontend_of(stack).process
+        first.kill()
+        wait_for(lambda: frontend_of(stack).process.pid != first.pid, 10, "a restarted frontend")
+        hung = frontend_of(stack).process
+        hung.send_signal(signal.SIGSTOP)  # long before it can import its way to ready
+        wait_for(lambda: frontend_of(stack).process.pid not in (first.pid, hung.pid), 30,
+                 "the hung frontend to be replaced")
+        wait_for(lambda: health_status(stack.url) == 200, 60, "the third frontend")
+        assert not reasons
+        assert metric_value(stack.url, "conveyor:process_restarts_total", process="frontend") == 2
+    assert any(f"frontend (pid {hung.pid}) is not ready 20 s after its restart (--ready-timeout)" in line
+               for line in supervisor_log)
+    assert any(f"frontend (pid {hung.pid}) was killed by SIGKILL: not ready 20 s" in line for line in supervisor_log)
