@@ -16,6 +16,7 @@ from worker_proc.layers.linear import (
 )
 from worker_proc.layers.norm import RMSNorm
 from worker_proc.layers.rotary import RotaryEmbedding, apply_rotary
+from worker_proc.layers.skinny import SkinnyLinear
 from worker_proc.model_config import ModelConfig
 
 # Per layer (K, V), slot-addressed flat views in the backend's kv_layout (kv_cache.KVLayout).
@@ -119,12 +120,14 @@ class LlamaForCausalLM(nn.Module):
     def tie_lm_head(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_for_cpu(self) -> None:
-        """Prepack every matmul weight for oneDNN (CPU only, after loading; see layers.linear)."""
+    def pack_for_cpu(self, skinny: SkinnyLinear | None = None) -> None:
+        """Prepack every matmul weight for oneDNN (CPU only, after loading; see layers.linear); with
+        `skinny`, steps of few rows run through it instead (layers.skinny)."""
         for module in self.modules():
             if isinstance(module, LinearBase):
-                module.pack_for_cpu()
-        self.lm_head.pack_for_cpu(keep_weight=self.lm_head.weight is self.model.embed_tokens.weight)
+                module.pack_for_cpu(skinny)
+        self.lm_head.pack_for_cpu(keep_weight=self.lm_head.weight is self.model.embed_tokens.weight,
+                                  skinny=skinny)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:

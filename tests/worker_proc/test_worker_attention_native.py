@@ -60,9 +60,9 @@ def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Non
     """CC names a compiler that does not exist, and nothing is cached yet."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
-    native.load_paged_attention.cache_clear()
+    native.load_native_library.cache_clear()
     yield
-    native.load_paged_attention.cache_clear()
+    native.load_native_library.cache_clear()
 
 
 def mixed_plan(block_size: int) -> StepPlan:

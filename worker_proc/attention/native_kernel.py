@@ -20,7 +20,7 @@ from worker_proc.attention.native_build import NativeBuildError, build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NativeBuildError", "PagedAttentionKernel", "load_paged_attention"]
+__all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "load_paged_attention"]
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_attend's C signature, in order (csrc/paged_attention.c).
@@ -123,10 +123,17 @@ def _failure(status: int, where: int, block_tables: torch.Tensor, token_members:
     return ValueError(f"native attention: token {where} (member {member}): {says}")
 
 
-@functools.cache
 def load_paged_attention(cpu_isa: str = "") -> PagedAttentionKernel:
     """Built for cpu_isa (EngineConfig.cpu_isa; '' = all this CPU has) or reused, and loaded once per
     process. Raises NativeBuildError."""
+    return PagedAttentionKernel(*load_native_library(cpu_isa))
+
+
+@functools.cache
+def load_native_library(cpu_isa: str = "") -> tuple[ctypes.CDLL, Path, int | None]:
+    """The native library (attention and the skinny linear, worker_proc/csrc) built for cpu_isa,
+    loaded once per process: (library, its path, the thread cap its OpenMP calls must keep: 1 when
+    a second OpenMP runtime is loaded, else None). Raises NativeBuildError."""
     path = build(cpu_isa=cpu_isa)
     try:
         library = ctypes.CDLL(str(path))
@@ -138,7 +145,7 @@ def load_paged_attention(cpu_isa: str = "") -> PagedAttentionKernel:
         log.warning("native attention runs one thread: two OpenMP runtimes are loaded (%s)",
                     ", ".join(sorted(runtimes)))
         cap = 1
-    return PagedAttentionKernel(library, path, cap)
+    return library, path, cap
 
 
 def openmp_runtimes() -> set[str]:

@@ -8,6 +8,8 @@ from torch import nn
 
 from worker_proc import parallel
 from worker_proc.layers.linear import packed_linear, prepack
+from worker_proc.layers.skinny import MAX_ROWS as SKINNY_MAX_ROWS
+from worker_proc.layers.skinny import SkinnyLinear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,16 +45,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocab (shards gathered from every rank)."""
 
     packed_weight: torch.Tensor | None = None
+    skinny: SkinnyLinear | None = None
 
-    def pack_for_cpu(self, keep_weight: bool) -> None:
-        """Call once, after loading; keep_weight when the table is tied to the token embedding."""
+    def pack_for_cpu(self, keep_weight: bool, skinny: SkinnyLinear | None = None) -> None:
+        """Call once, after loading; keep_weight when the table is tied to the token embedding.
+        With `skinny`, steps of few rows run through it from the plain weight (kept)."""
         self.packed_weight = prepack(self.weight)
-        if not keep_weight:
+        self.skinny = skinny
+        if not keep_weight and skinny is None:
             self.weight.data = self.weight.data.new_empty(0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 [num_rows, vocab_size]."""
-        if self.packed_weight is not None:
+        if self.skinny is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
+            local = self.skinny(hidden, self.weight, None)
+        elif self.packed_weight is not None:
             local = packed_linear(hidden, self.packed_weight, None)
         else:
             local = F.linear(hidden, self.weight)

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_proc import parallel
+from worker_proc.layers.skinny import MAX_ROWS as SKINNY_MAX_ROWS
+from worker_proc.layers.skinny import SkinnyLinear
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +62,19 @@ class LinearBase(nn.Module):
             self.bias = _attach_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
                                        self.weight_loader)
         self.packed_weight: torch.Tensor | None = None
+        self.skinny: SkinnyLinear | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Call once, after loading. Afterwards `weight` holds no data: only packed_weight is used."""
+    def pack_for_cpu(self, skinny: SkinnyLinear | None = None) -> None:
+        """Call once, after loading. Afterwards only packed_weight is used, and `weight` holds no
+        data unless `skinny` runs the steps of few rows from it."""
         self.packed_weight = prepack(self.weight)
-        self.weight.data = self.weight.data.new_empty(0)
+        self.skinny = skinny
+        if skinny is None:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return self.skinny(x, self.weight, bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

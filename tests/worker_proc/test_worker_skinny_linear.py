@@ -1,0 +1,96 @@
+"""The native skinny linear (the linears of steps of at most 16 rows) equals F.linear at every ISA
+level this CPU can run that has it, for every row count's block split, ragged shapes, a bias and
+strided rows; a model packed with it serves few-row steps through it and many-row ones through
+oneDNN; bad input is an error naming it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker_plans import tiny_engine_config
+
+from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
+from worker_proc.attention import native_kernel
+from worker_proc.layers import skinny
+from worker_proc.runner import ModelRunner
+
+MACHINE = cpu_isa(read_cpu_flags())
+LEVELS = ["", *(level for level in ("avx2", "avx512") if rank(level) <= rank(MACHINE.detected))]
+
+
+def kernel_for(level: str) -> skinny.SkinnyLinear:
+    try:
+        library, _, cap = native_kernel.load_native_library(level)
+    except native_kernel.NativeBuildError as error:
+        pytest.skip(f"the native library does not build here: {error}")
+    if not library.skinny_linear_supported():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    return skinny.SkinnyLinear(library, cap)
+
+
+@pytest.fixture(scope="module", params=LEVELS, ids=[level or "native" for level in LEVELS])
+def kernel(request: pytest.FixtureRequest) -> skinny.SkinnyLinear:
+    return kernel_for(request.param)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16])
+@pytest.mark.parametrize("out_features,in_features", [(7, 13), (20, 64), (960, 576), (3, 8), (1, 1)])
+def test_equals_f_linear_for_every_row_count_and_ragged_shape(kernel: skinny.SkinnyLinear, rows: int,
+                                                              out_features: int, in_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    expected = F.linear(x.double(), weight.double()).float()
+    torch.testing.assert_close(kernel(x, weight, None), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_bias_is_added_and_rows_may_lie_apart(kernel: skinny.SkinnyLinear) -> None:
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(5, 100, generator=generator)
+    x = wide[:, 10:74]  # rows 100 elements apart, 64 used
+    weight, bias = torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator)
+    expected = F.linear(x.double(), weight.double(), bias.double()).float()
+    torch.testing.assert_close(kernel(x, weight, bias), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> None:
+    weight = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="fp32 x"):
+        kernel(torch.randn(2, 16, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(ValueError, match=r"weight \[n, 16\]"):
+        kernel(torch.randn(2, 16), torch.randn(8, 12), None)
+    with pytest.raises(ValueError, match=r"bias \[8\]"):
+        kernel(torch.randn(2, 16), weight, torch.randn(9))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel(torch.randn(16, 2).t(), weight, None)
+
+
+def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    assert skinny.skinny_linear_for(torch.bfloat16, "") is None
+    try:
+        native_kernel.load_native_library("baseline")
+    except native_kernel.NativeBuildError as error:
+        pytest.skip(f"the native library does not build here: {error}")
+    with caplog.at_level(logging.INFO, logger=skinny.log.name):
+        assert skinny.skinny_linear_for(torch.float32, "baseline") is None
+    assert "built without AVX2 + FMA" in caplog.text
+    if "avx2" in LEVELS:
+        assert skinny.skinny_linear_for(torch.float32, "avx2") is not None
+
+
+def test_a_packed_model_runs_few_rows_through_the_kernel_and_many_through_onednn(
+        tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel_for("")
+    runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
+    layer = runner.model.model.layers[0].mlp.down_proj
+    assert layer.skinny is not None and layer.weight.numel() > 0
+    calls = []
+    real = layer.skinny.__call__
+    monkeypatch.setattr(type(layer.skinny), "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, skinny.MAX_ROWS, skinny.MAX_ROWS + 1, 64):
+        x = torch.randn(rows, layer.weight.shape[1])
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-4, atol=1e-4)
+    assert calls == [1, skinny.MAX_ROWS]

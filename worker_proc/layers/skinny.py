@@ -1,0 +1,72 @@
+"""The native skinny linear (worker_proc/csrc/skinny_linear.c): y = x W^T for the few rows of a
+small decode step, fp32 on AVX2 + FMA or better.
+
+oneDNN's prepacked GEMM runs a 2048-row prefill near this machine's peak but 1-16 rows at a
+fraction of what streaming the weight allows (a decode step with few sequences, and the tail of
+every burst). The kernel reads W in its plain [out, in] layout, so a layer that uses it keeps that
+copy beside oneDNN's packed one. SmolLM2-135M: docs/benchmarks.md "Decode linears at few rows".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 16  # above this oneDNN's packed GEMM is as fast (docs/benchmarks.md)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class SkinnyLinear:
+    """Calls release the GIL. Checks what C cannot: dtypes, layouts and shapes."""
+
+    def __init__(self, library: ctypes.CDLL, num_threads_cap: int | None) -> None:
+        self._linear = library.skinny_linear_f32
+        self._linear.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
+        self.num_threads_cap = num_threads_cap
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: fp32 [m, k], rows any stride apart, elements contiguous; weight: fp32 [n, k]
+        contiguous; bias: fp32 [n] or None -> fp32 [m, n]."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.stride(1) != 1 \
+                or not weight.is_contiguous() or weight.shape[1] != k or x.stride(0) < k:
+            raise ValueError(f"skinny linear needs fp32 x [m, {k}] with contiguous rows and a contiguous "
+                             f"fp32 weight [n, {k}], got {x.dtype} {tuple(x.shape)} strides {x.stride()} "
+                             f"and {weight.dtype} {tuple(weight.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"skinny linear needs a contiguous fp32 bias [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        out = x.new_empty(m, n)
+        num_threads = torch.get_num_threads()
+        if self.num_threads_cap is not None:
+            num_threads = min(num_threads, self.num_threads_cap)
+        status = self._linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, num_threads)
+        if status != 0:
+            raise ValueError(f"skinny linear refused x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                             f"(status {status})")
+        return out
+
+
+def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
+    """The kernel when it serves this dtype on this CPU (fp32, built with AVX2 + FMA under the ISA
+    cap), else None with the reason logged: the layers then run oneDNN alone."""
+    from worker_proc.attention.native_kernel import NativeBuildError, load_native_library
+
+    if dtype != torch.float32:
+        return None
+    try:
+        library, path, cap = load_native_library(cpu_isa)
+    except NativeBuildError as error:
+        log.info("linears: oneDNN only (the native library is unavailable: %s)", error)
+        return None
+    if not library.skinny_linear_supported():
+        log.info("linears: oneDNN only (%s was built without AVX2 + FMA)", path.name)
+        return None
+    log.info("linears: oneDNN prepacked; steps of at most %d rows through the native skinny linear", MAX_ROWS)
+    return SkinnyLinear(library, cap)
