@@ -8,6 +8,7 @@ from torch import nn
 
 from worker_proc.attention import AttentionBackend, AttentionMetadata
 from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker_proc.layers.fused_cpu import FusedCpuOps
 from worker_proc.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -38,6 +39,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.backend = backend
+        self.fused: FusedCpuOps | None = None  # set by pack_for_cpu where it serves (fp32 CPU)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -49,6 +51,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, signed_sin), apply_rotary(k, cos, signed_sin)
+        elif self.fused is not None:  # in place: q, k stay views of qkv
+            self.fused.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], cos, signed_sin)
         else:  # q and k sit side by side in qkv: rotate both head groups with one call
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, signed_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -63,8 +67,11 @@ class MLP(nn.Module):
             config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias)
+        self.fused: FusedCpuOps | None = None  # set by pack_for_cpu where it serves (fp32 CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -120,12 +127,17 @@ class LlamaForCausalLM(nn.Module):
     def tie_lm_head(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_for_cpu(self, skinny: SkinnyLinear | None = None) -> None:
+    def pack_for_cpu(self, skinny: SkinnyLinear | None = None, fused: FusedCpuOps | None = None) -> None:
         """Prepack every matmul weight for oneDNN (CPU only, after loading; see layers.linear); with
-        `skinny`, steps of few rows run through it instead (layers.skinny)."""
+        `skinny`, steps of few rows run through it instead (layers.skinny); with `fused`, the
+        hidden-size norms, silu * up and the rotary embedding run as its native passes."""
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.pack_for_cpu(skinny)
+        for layer in self.model.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
+            layer.self_attn.fused = layer.mlp.fused = fused
+        self.model.norm.fused = fused
         self.lm_head.pack_for_cpu(keep_weight=self.lm_head.weight is self.model.embed_tokens.weight,
                                   skinny=skinny)
 

@@ -24,6 +24,7 @@ from worker_proc.kv_cache import (
     num_kv_blocks_for,
 )
 from worker_proc.layers.linear import cpu_prepack_supported
+from worker_proc.layers.fused_cpu import fused_cpu_ops_for
 from worker_proc.layers.skinny import skinny_linear_for
 from worker_proc.loader import load_model
 from worker_proc.logprobs import (
@@ -58,7 +59,8 @@ class ModelRunner:
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):
-            self.model.pack_for_cpu(skinny_linear_for(dtype, config.cpu_isa))
+            self.model.pack_for_cpu(skinny_linear_for(dtype, config.cpu_isa),
+                                    fused_cpu_ops_for(dtype, config.cpu_isa))
         gpu_budget = None
         if self.device.type == "cuda" and not config.num_kv_blocks:
             gpu_budget = self._gpu_kv_budget()

@@ -99,6 +99,9 @@ def instrument(runner: ModelRunner, watch: Stopwatch) -> None:
     runner.model.lm_head.compute_logits = watch.wrap(runner.model.lm_head.compute_logits, "lm_head")
     runner.model.rotary.cos_sin = watch.wrap(runner.model.rotary.cos_sin, "rope")
     model_module.apply_rotary = watch.wrap(model_module.apply_rotary, "rope")
+    fused = runner.model.model.norm.fused  # the one FusedCpuOps every layer shares, if any
+    if fused is not None:
+        fused.rotary_ = watch.wrap(fused.rotary_, "rope")
     runner_module.build_step_batch = watch.wrap(runner_module.build_step_batch, "plan building")
     runner_module.sample = watch.wrap(runner_module.sample, "sampler")
     runner_module.sampling_batch_from_plan = watch.wrap(runner_module.sampling_batch_from_plan, "sampler")
