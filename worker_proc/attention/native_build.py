@@ -1,4 +1,5 @@
-"""Compiles the native CPU attention kernel (worker_proc/csrc) once per machine and ISA cap, and caches it.
+"""Compiles the native CPU library (worker_proc/csrc: paged attention, the skinny linear, the fused
+elementwise passes) once per machine and ISA cap, and caches it.
 
 The shared library is cached in $CONVEYOR_CACHE/native under a key of the sources, the compiler's
 version, the flags and this CPU's feature flags (-march=native code must never run on another CPU).
