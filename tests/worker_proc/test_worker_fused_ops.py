@@ -42,9 +42,14 @@ def test_rms_norm_with_and_without_the_residual_add_equals_torch(ops: fused_cpu.
     weight = torch.randn(dim, generator=generator)
     torch.testing.assert_close(ops.rms_norm(x.clone(), weight, 1e-5), F.rms_norm(x, (dim,), weight, 1e-5))
     summed = x.clone()
-    normed = ops.rms_norm(summed, weight, 1e-6, residual)
-    assert torch.equal(summed, x + residual)  # the new residual stream, in x's buffer
+    normed, stream = ops.add_rms_norm(summed, residual, weight, 1e-6)
+    assert stream is summed and torch.equal(summed, x + residual)  # the new residual stream, in x's buffer
     torch.testing.assert_close(normed, F.rms_norm(x + residual, (dim,), weight, 1e-6))
+    strided = torch.randn(dim, rows, generator=generator).t()  # (a copy takes the sum)
+    expected = strided + residual
+    normed, stream = ops.add_rms_norm(strided, residual, weight, 1e-6)
+    assert torch.equal(stream, expected)
+    torch.testing.assert_close(normed, F.rms_norm(expected, (dim,), weight, 1e-6))
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 9), (16, 64)])
@@ -71,8 +76,10 @@ def test_rotary_in_place_equals_apply_rotary_on_strided_rows(ops: fused_cpu.Fuse
 def test_bad_input_is_an_error_that_names_it(ops: fused_cpu.FusedCpuOps) -> None:
     with pytest.raises(ValueError, match=r"rms_norm x must be contiguous fp32 \[rows, 8\]"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5)
-    with pytest.raises(ValueError, match="rms_norm residual"):
-        ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5, torch.randn(8, 2).t())
+    with pytest.raises(ValueError, match="rms_norm: residual"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match=r"rms_norm weight must be contiguous fp32 \[8\]"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5)
     with pytest.raises(ValueError, match="two equal halves"):
         ops.silu_mul(torch.randn(2, 7))
     cos = torch.ones(3, 1, 8)

@@ -64,8 +64,13 @@ def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> Non
         kernel(torch.randn(2, 16), torch.randn(8, 12), None)
     with pytest.raises(ValueError, match=r"bias \[8\]"):
         kernel(torch.randn(2, 16), weight, torch.randn(9))
-    with pytest.raises(ValueError, match="contiguous rows"):
-        kernel(torch.randn(16, 2).t(), weight, None)
+
+
+@pytest.mark.parametrize("x", [torch.randn(16, 3).t(), torch.randn(16, 1).t(), torch.randn(1, 40)[:, 8:24]],
+                         ids=["columns", "a lone row of stride 1", "a lone row of a wider one"])
+def test_any_layout_of_x_gives_the_same_result(kernel: skinny.SkinnyLinear, x: torch.Tensor) -> None:
+    weight = torch.randn(8, 16)
+    torch.testing.assert_close(kernel(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureFixture) -> None:

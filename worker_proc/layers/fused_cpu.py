@@ -38,23 +38,32 @@ class FusedCpuOps:
         num_threads = torch.get_num_threads()
         return num_threads if self.num_threads_cap is None else min(num_threads, self.num_threads_cap)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """norm(x) as a new tensor; with `residual`, x becomes x + residual first (in place: the
-        new residual stream) and the norm is of that. x, residual: fp32 [rows, dim] contiguous."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """norm(x) as a new tensor. x: fp32 [rows, dim]."""
+        return self._norm(x.contiguous(), None, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the sum is written into x's buffer when x is
+        contiguous (else into a copy), and returned as the new residual stream."""
+        x = x.contiguous()
+        return self._norm(x, residual.contiguous(), weight, eps), x
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> torch.Tensor:
+        _check_vector("rms_norm weight", weight, x.shape[-1])
         _check_rows("rms_norm x", x, weight.shape[0])
-        _check_vector("rms_norm weight", weight, x.shape[1])
-        if residual is not None:
-            _check_rows("rms_norm residual", residual, x.shape[1])
-            if residual.shape != x.shape:
-                raise ValueError(f"rms_norm: residual {tuple(residual.shape)} is not x's shape {tuple(x.shape)}")
+        if residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape):
+            raise ValueError(f"rms_norm: residual {residual.dtype} {tuple(residual.shape)} is not x's fp32 "
+                             f"{tuple(x.shape)}")
         out = torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                            out.data_ptr(), x.shape[0], x.shape[1], eps, self._threads())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """fp32 [rows, 2 * inter] contiguous (gate, then up) -> silu(gate) * up, [rows, inter]."""
+        """fp32 [rows, 2 * inter] (gate, then up) -> silu(gate) * up, [rows, inter]."""
+        gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         _check_rows("silu_mul gate_up", gate_up, width)
         if width % 2:

@@ -33,6 +33,6 @@ class RMSNorm(nn.Module):
                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the new residual stream and its normalisation."""
         if self.fused is not None:
-            return self.fused.rms_norm(x, self.weight, self.eps, residual), x
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x.add_(residual)
         return F.rms_norm(residual, self.shape, self.weight, self.eps), residual

@@ -30,22 +30,24 @@ class SkinnyLinear:
         self.num_threads_cap = num_threads_cap
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: fp32 [m, k], rows any stride apart, elements contiguous; weight: fp32 [n, k]
-        contiguous; bias: fp32 [n] or None -> fp32 [m, n]."""
+        """x: fp32 [m, k] (rows any stride apart; copied first if a row's elements are not
+        contiguous); weight: fp32 [n, k] contiguous; bias: fp32 [n] or None -> fp32 [m, n]."""
         m, k = x.shape
         n = weight.shape[0]
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.stride(1) != 1 \
-                or not weight.is_contiguous() or weight.shape[1] != k or x.stride(0) < k:
-            raise ValueError(f"skinny linear needs fp32 x [m, {k}] with contiguous rows and a contiguous "
-                             f"fp32 weight [n, {k}], got {x.dtype} {tuple(x.shape)} strides {x.stride()} "
-                             f"and {weight.dtype} {tuple(weight.shape)}")
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
+                or weight.shape[1] != k:
+            raise ValueError(f"skinny linear needs fp32 x [m, {k}] and a contiguous fp32 weight [n, {k}], "
+                             f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+        if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
+            x = x.contiguous()
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"skinny linear needs a contiguous fp32 bias [{n}], got {bias.dtype} {tuple(bias.shape)}")
         out = x.new_empty(m, n)
         num_threads = torch.get_num_threads()
         if self.num_threads_cap is not None:
             num_threads = min(num_threads, self.num_threads_cap)
-        status = self._linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
+        row_stride = x.stride(0) if m > 1 else k  # a lone row's stride is never used
+        status = self._linear(x.data_ptr(), row_stride, weight.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, num_threads)
         if status != 0:
             raise ValueError(f"skinny linear refused x {tuple(x.shape)} and weight {tuple(weight.shape)} "
