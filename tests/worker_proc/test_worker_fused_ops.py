@@ -7,29 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from native_levels import LEVEL_IDS, VECTOR_LEVELS, vectorised_or_skip
 from worker_plans import tiny_engine_config
 
-from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
-from worker_proc.attention import native_kernel
 from worker_proc.layers import fused_cpu
 from worker_proc.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_proc.runner import ModelRunner
 
-MACHINE = cpu_isa(read_cpu_flags())
-LEVELS = ["", *(level for level in ("avx2", "avx512") if rank(level) <= rank(MACHINE.detected))]
-
 
 def ops_for(level: str) -> fused_cpu.FusedCpuOps:
-    try:
-        library, _, cap = native_kernel.load_native_library(level)
-    except native_kernel.NativeBuildError as error:
-        pytest.skip(f"the native library does not build here: {error}")
-    if not library.fused_ops_vectorised():
-        pytest.skip("this CPU has no AVX2 + FMA")
-    return fused_cpu.FusedCpuOps(library, cap)
+    return fused_cpu.FusedCpuOps(*vectorised_or_skip(level, "fused_ops_vectorised"))
 
 
-@pytest.fixture(scope="module", params=LEVELS, ids=[level or "native" for level in LEVELS])
+@pytest.fixture(scope="module", params=VECTOR_LEVELS, ids=LEVEL_IDS)
 def ops(request: pytest.FixtureRequest) -> fused_cpu.FusedCpuOps:
     return ops_for(request.param)
 
@@ -92,6 +82,7 @@ def test_bad_input_is_an_error_that_names_it(ops: fused_cpu.FusedCpuOps) -> None
 def test_only_fp32_with_avx2_gets_them_and_a_packed_model_uses_them(tiny_model_dir) -> None:
     assert fused_cpu.fused_cpu_ops_for(torch.bfloat16, "") is None
     ops_for("")
+    assert fused_cpu.fused_cpu_ops_for(torch.float32, "baseline") is None  # built without AVX2
     runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
     layer = runner.model.model.layers[0]
     assert isinstance(layer.mlp.fused, fused_cpu.FusedCpuOps)

@@ -10,28 +10,20 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+
+from native_levels import LEVEL_IDS, VECTOR_LEVELS, vectorised_or_skip
 from worker_plans import tiny_engine_config
 
-from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
 from worker_proc.attention import native_kernel
 from worker_proc.layers import skinny
 from worker_proc.runner import ModelRunner
 
-MACHINE = cpu_isa(read_cpu_flags())
-LEVELS = ["", *(level for level in ("avx2", "avx512") if rank(level) <= rank(MACHINE.detected))]
-
 
 def kernel_for(level: str) -> skinny.SkinnyLinear:
-    try:
-        library, _, cap = native_kernel.load_native_library(level)
-    except native_kernel.NativeBuildError as error:
-        pytest.skip(f"the native library does not build here: {error}")
-    if not library.skinny_linear_supported():
-        pytest.skip("this CPU has no AVX2 + FMA")
-    return skinny.SkinnyLinear(library, cap)
+    return skinny.SkinnyLinear(*vectorised_or_skip(level, "skinny_linear_supported"))
 
 
-@pytest.fixture(scope="module", params=LEVELS, ids=[level or "native" for level in LEVELS])
+@pytest.fixture(scope="module", params=VECTOR_LEVELS, ids=LEVEL_IDS)
 def kernel(request: pytest.FixtureRequest) -> skinny.SkinnyLinear:
     return kernel_for(request.param)
 
@@ -82,7 +74,7 @@ def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger=skinny.log.name):
         assert skinny.skinny_linear_for(torch.float32, "baseline") is None
     assert "built without AVX2 + FMA" in caplog.text
-    if "avx2" in LEVELS:
+    if "avx2" in VECTOR_LEVELS:
         assert skinny.skinny_linear_for(torch.float32, "avx2") is not None
 
 

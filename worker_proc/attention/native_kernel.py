@@ -20,7 +20,8 @@ from worker_proc.attention.native_build import NativeBuildError, build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "load_paged_attention"]
+__all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "load_paged_attention",
+           "vectorised_fp32_library"]
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_attend's C signature, in order (csrc/paged_attention.c).
@@ -146,6 +147,22 @@ def load_native_library(cpu_isa: str = "") -> tuple[ctypes.CDLL, Path, int | Non
                     ", ".join(sorted(runtimes)))
         cap = 1
     return library, path, cap
+
+
+def vectorised_fp32_library(dtype: torch.dtype, cpu_isa: str,
+                            probe: str) -> tuple[ctypes.CDLL, int | None] | str:
+    """(the native library, its thread cap) when the model computes in fp32 and the library's
+    `probe()` (a function of worker_proc/csrc returning 1 or 0) says this build, under the ISA cap,
+    vectorises that path; else why not."""
+    if dtype != torch.float32:
+        return f"the model computes in {str(dtype).removeprefix('torch.')}, the native path in float32"
+    try:
+        library, path, cap = load_native_library(cpu_isa)
+    except NativeBuildError as error:
+        return f"the native library is unavailable: {error}"
+    if not getattr(library, probe)():
+        return f"{path.name} was built without AVX2 + FMA"
+    return library, cap
 
 
 def openmp_runtimes() -> set[str]:

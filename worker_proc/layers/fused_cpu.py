@@ -100,17 +100,11 @@ def _check_vector(name: str, x: torch.Tensor, dim: int) -> None:
 def fused_cpu_ops_for(dtype: torch.dtype, cpu_isa: str) -> FusedCpuOps | None:
     """The native passes when they serve this dtype on this CPU (fp32, built with AVX2 + FMA under
     the ISA cap), else None with the reason logged: the layers then run torch's kernels."""
-    from worker_proc.attention.native_kernel import NativeBuildError, load_native_library
+    from worker_proc.attention.native_kernel import vectorised_fp32_library
 
-    if dtype != torch.float32:
-        return None
-    try:
-        library, path, cap = load_native_library(cpu_isa)
-    except NativeBuildError as error:
-        log.info("norms, rotary, silu: torch (the native library is unavailable: %s)", error)
-        return None
-    if not library.fused_ops_vectorised():
-        log.info("norms, rotary, silu: torch (%s was built without AVX2 + FMA)", path.name)
+    found = vectorised_fp32_library(dtype, cpu_isa, "fused_ops_vectorised")
+    if isinstance(found, str):
+        log.info("norms, rotary, silu: torch (%s)", found)
         return None
     log.info("norms, rotary, silu: one native pass each")
-    return FusedCpuOps(library, cap)
+    return FusedCpuOps(*found)

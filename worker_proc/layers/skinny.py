@@ -58,17 +58,11 @@ class SkinnyLinear:
 def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
     """The kernel when it serves this dtype on this CPU (fp32, built with AVX2 + FMA under the ISA
     cap), else None with the reason logged: the layers then run oneDNN alone."""
-    from worker_proc.attention.native_kernel import NativeBuildError, load_native_library
+    from worker_proc.attention.native_kernel import vectorised_fp32_library
 
-    if dtype != torch.float32:
-        return None
-    try:
-        library, path, cap = load_native_library(cpu_isa)
-    except NativeBuildError as error:
-        log.info("linears: oneDNN only (the native library is unavailable: %s)", error)
-        return None
-    if not library.skinny_linear_supported():
-        log.info("linears: oneDNN only (%s was built without AVX2 + FMA)", path.name)
+    found = vectorised_fp32_library(dtype, cpu_isa, "skinny_linear_supported")
+    if isinstance(found, str):
+        log.info("linears: oneDNN only (%s)", found)
         return None
     log.info("linears: oneDNN prepacked; steps of at most %d rows through the native skinny linear", MAX_ROWS)
-    return SkinnyLinear(library, cap)
+    return SkinnyLinear(*found)
