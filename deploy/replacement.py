@@ -39,6 +39,11 @@ class Replacements:
                                        f"({message.cause})", message.generation)
         return ""
 
+    def _exit_cause(self, dead: Child) -> str:
+        """How `dead` exited, and why the supervisor killed it if it did (`_kill_reasons`)."""
+        killed_for = self._kill_reasons.pop(dead.process.pid, "")
+        return f"{dead.describe_exit()} after it {killed_for}" if killed_for else dead.describe_exit()
+
     def _workers(self) -> list[Child]:
         return [child for child in self.children if child.module == "worker_proc"]
 
@@ -52,7 +57,7 @@ class Replacements:
             if (child.rank in ranks or remote) and child.process is not None and child.process.poll() is None:
                 log.error("%s (pid %d, tensor-parallel rank %d) hangs: %s; killing it", child.name,
                           child.process.pid, child.rank, reason)
-                self._kill_reasons[child.process.pid] = reason
+                self._kill_reasons[child.process.pid] = f"hung ({reason})"
                 child.process.kill()
 
     def _kill_hung_scheduler(self, pid: int, reason: str) -> None:
@@ -62,7 +67,7 @@ class Replacements:
             if child.module == "scheduler_proc" and child.process is not None and child.process.pid == pid \
                     and child.process.poll() is None:
                 log.error("scheduler (pid %d) hangs: %s; killing it", pid, reason)
-                self._kill_reasons[pid] = reason
+                self._kill_reasons[pid] = f"hung ({reason})"
                 child.process.kill()
 
     def _replace_scheduler(self, dead: Child) -> str:
@@ -70,10 +75,7 @@ class Replacements:
         with it (the workers' step sockets and KV cache belonged to the lost one). The frontend
         resubmits its requests once the new scheduler talks. '' once the new processes are ready,
         else why the stack must stop (--max-restarts reached, or they did not start)."""
-        cause = dead.describe_exit()
-        killed_for = self._kill_reasons.pop(dead.process.pid, "")
-        if killed_for:
-            cause = f"{cause} after it hung ({killed_for})"
+        cause = self._exit_cause(dead)
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
         log.error("%s; replacing the scheduler and the worker group (restart %d, at most %d within "
@@ -94,10 +96,7 @@ class Replacements:
         """A worker died (or was killed for hanging): start a fresh group of this node's workers,
         the survivors killed first (the group's collectives and KV cache went with the dead one).
         Returns '' once replaced, else why the stack must stop (--max-restarts reached)."""
-        cause = dead.describe_exit()
-        killed_for = self._kill_reasons.pop(dead.process.pid, "")
-        if killed_for:
-            cause = f"{cause} after it hung ({killed_for})"
+        cause = self._exit_cause(dead)
         if self.config.node_rank == 0:
             return self._replace_group(cause)
         # Only node 0 picks the next group: stop ours, tell it, and start the one it names.
@@ -136,10 +135,7 @@ class Replacements:
         """The frontend died, and its clients' connections with it (the scheduler aborts their
         requests itself, seeing the process gone): start a new one on the same port, told how
         many restarts came before it. '' once started, else why the stack must stop."""
-        cause = dead.describe_exit()
-        killed_for = self._kill_reasons.pop(dead.process.pid, "")
-        if killed_for:
-            cause = f"{cause}: {killed_for}"
+        cause = self._exit_cause(dead)
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
         log.error("%s; restarting the frontend (restart %d, at most %d within %.0f s)", cause,
@@ -165,7 +161,7 @@ class Replacements:
             if child.process is not None and child.process.poll() is None:
                 reason = f"not ready {self.config.ready_timeout_s:.0f} s after its restart (--ready-timeout)"
                 log.error("%s (pid %d) is %s; killing it", child.name, child.process.pid, reason)
-                self._kill_reasons[child.process.pid] = reason
+                self._kill_reasons[child.process.pid] = f"was {reason}"
                 child.process.kill()
 
 

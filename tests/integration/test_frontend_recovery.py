@@ -123,4 +123,4 @@ def test_a_restarted_frontend_that_hangs_while_starting_is_killed_after_ready_ti
         assert metric_value(stack.url, "conveyor:process_restarts_total", process="frontend") == 2
     assert any(f"frontend (pid {hung.pid}) is not ready 20 s after its restart (--ready-timeout)" in line
                for line in supervisor_log)
-    assert any(f"frontend (pid {hung.pid}) was killed by SIGKILL: not ready 20 s" in line for line in supervisor_log)
+    assert any(f"frontend (pid {hung.pid}) was killed by SIGKILL after it was not ready 20 s" in line for line in supervisor_log)
