@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_proc import parallel
-from worker_proc.layers.linear import packed_linear, prepack
-from worker_proc.layers.skinny import MAX_ROWS as SKINNY_MAX_ROWS
+from worker_proc.layers.linear import best_linear, prepack
 from worker_proc.layers.skinny import SkinnyLinear
 
 
@@ -57,12 +56,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 [num_rows, vocab_size]."""
-        if self.skinny is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
-            local = self.skinny(hidden, self.weight, None)
-        elif self.packed_weight is not None:
-            local = packed_linear(hidden, self.packed_weight, None)
-        else:
-            local = F.linear(hidden, self.weight)
+        local = best_linear(hidden, self.weight, self.packed_weight, self.skinny, None)
         logits = parallel.all_gather_last_dim(local)
         if logits.shape[-1] != self.vocab_size:
             logits = logits[:, :self.vocab_size]
