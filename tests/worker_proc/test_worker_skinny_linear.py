@@ -1,7 +1,7 @@
-"""The native skinny linear (the linears of steps of at most 16 rows) equals F.linear at every ISA
-level this CPU can run that has it, for every row count's block split, ragged shapes, a bias and
-strided rows; a model packed with it serves few-row steps through it and many-row ones through
-oneDNN; bad input is an error naming it."""
+"""The native skinny linear (the linears of decode steps) equals F.linear at every ISA level this
+CPU can run that has it, for every row count's block split, ragged shapes (a partial last panel,
+several k blocks), a bias and strided rows; a model packed with it serves decode steps through it
+and larger ones through oneDNN, its LM head every step; bad input is an error naming it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from native_levels import LEVEL_IDS, VECTOR_LEVELS, vectorised_or_skip
 from worker_plans import tiny_engine_config
@@ -28,15 +29,15 @@ def kernel(request: pytest.FixtureRequest) -> skinny.SkinnyLinear:
     return kernel_for(request.param)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16])
-@pytest.mark.parametrize("out_features,in_features", [(7, 13), (20, 64), (960, 576), (3, 8), (1, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 37, 130])
+@pytest.mark.parametrize("out_features,in_features", [(7, 13), (20, 64), (960, 576), (3, 8), (1, 1), (33, 600)])
 def test_equals_f_linear_for_every_row_count_and_ragged_shape(kernel: skinny.SkinnyLinear, rows: int,
                                                               out_features: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
     expected = F.linear(x.double(), weight.double()).float()
-    torch.testing.assert_close(kernel(x, weight, None), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernel.pack(weight)(x, None), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_a_bias_is_added_and_rows_may_lie_apart(kernel: skinny.SkinnyLinear) -> None:
@@ -45,24 +46,26 @@ def test_a_bias_is_added_and_rows_may_lie_apart(kernel: skinny.SkinnyLinear) -> 
     x = wide[:, 10:74]  # rows 100 elements apart, 64 used
     weight, bias = torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator)
     expected = F.linear(x.double(), weight.double(), bias.double()).float()
-    torch.testing.assert_close(kernel(x, weight, bias), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernel.pack(weight)(x, bias), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> None:
-    weight = torch.randn(8, 16)
+    packed = kernel.pack(torch.randn(8, 16))
     with pytest.raises(ValueError, match="fp32 x"):
-        kernel(torch.randn(2, 16, dtype=torch.bfloat16), weight, None)
-    with pytest.raises(ValueError, match=r"weight \[n, 16\]"):
-        kernel(torch.randn(2, 16), torch.randn(8, 12), None)
+        packed(torch.randn(2, 16, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match=r"fp32 x \[m, 12\] and fp32 panels \[1, 12, 16\] of a weight \[8, 12\]"):
+        packed(torch.randn(2, 12), None)
     with pytest.raises(ValueError, match=r"bias \[8\]"):
-        kernel(torch.randn(2, 16), weight, torch.randn(9))
+        packed(torch.randn(2, 16), torch.randn(9))
+    with pytest.raises(ValueError, match=r"fp32 weight \[n, k\]"):
+        kernel.pack(torch.randn(8, 16, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("x", [torch.randn(16, 3).t(), torch.randn(16, 1).t(), torch.randn(1, 40)[:, 8:24]],
                          ids=["columns", "a lone row of stride 1", "a lone row of a wider one"])
 def test_any_layout_of_x_gives_the_same_result(kernel: skinny.SkinnyLinear, x: torch.Tensor) -> None:
     weight = torch.randn(8, 16)
-    torch.testing.assert_close(kernel(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernel.pack(weight)(x, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureFixture) -> None:
@@ -78,16 +81,23 @@ def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureF
         assert skinny.skinny_linear_for(torch.float32, "avx2") is not None
 
 
-def test_a_packed_model_runs_few_rows_through_the_kernel_and_many_through_onednn(
+def test_a_packed_model_runs_decode_steps_through_the_kernel_and_larger_ones_through_onednn(
         tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel_for("")
-    runner = ModelRunner(tiny_engine_config(tiny_model_dir), rank=0, show_progress=False)
-    layer = runner.model.model.layers[0].mlp.down_proj
-    assert layer.skinny is not None and layer.weight.numel() > 0
+    config = tiny_engine_config(tiny_model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    runner = ModelRunner(config, rank=0, show_progress=False)
+    layer, weight = runner.model.model.layers[0].mlp.down_proj, plain.model.layers[0].mlp.down_proj.weight.detach()
+    lm_head, table = runner.model.lm_head, plain.lm_head.weight.detach()
+    assert layer.skinny is not None and layer.weight.numel() == 0 and layer.packed_weight is not None
+    assert lm_head.skinny is not None and lm_head.packed_weight is None
     calls = []
-    real = layer.skinny.__call__
-    monkeypatch.setattr(type(layer.skinny), "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, skinny.MAX_ROWS, skinny.MAX_ROWS + 1, 64):
-        x = torch.randn(rows, layer.weight.shape[1])
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-4, atol=1e-4)
+    real = skinny.SkinnyWeight.__call__
+    monkeypatch.setattr(skinny.SkinnyWeight, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    for rows in (1, skinny.MAX_ROWS, skinny.MAX_ROWS + 1, 300):
+        x = torch.randn(rows, weight.shape[1])
+        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-4, atol=1e-4)
     assert calls == [1, skinny.MAX_ROWS]
+    hidden = torch.randn(300, table.shape[1])
+    torch.testing.assert_close(lm_head.compute_logits(hidden), F.linear(hidden, table), rtol=1e-4, atol=1e-4)
+    assert calls[-1] == 300

@@ -8,7 +8,7 @@ from torch import nn
 
 from worker_proc import parallel
 from worker_proc.layers.linear import best_linear, prepack
-from worker_proc.layers.skinny import SkinnyLinear
+from worker_proc.layers.skinny import SkinnyLinear, SkinnyWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,14 +44,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocab (shards gathered from every rank)."""
 
     packed_weight: torch.Tensor | None = None
-    skinny: SkinnyLinear | None = None
+    skinny: SkinnyWeight | None = None
 
     def pack_for_cpu(self, keep_weight: bool, skinny: SkinnyLinear | None = None) -> None:
         """Call once, after loading; keep_weight when the table is tied to the token embedding.
-        With `skinny`, steps of few rows run through it from the plain weight (kept)."""
-        self.packed_weight = prepack(self.weight)
-        self.skinny = skinny
-        if not keep_weight and skinny is None:
+        The logits run through one packed copy: the skinny linear's where it serves (at every row
+        count: a step samples at most max_num_seqs rows, unless it asks for prompt logprobs),
+        else oneDNN's."""
+        if skinny is not None:
+            self.skinny = skinny.pack(self.weight)
+        else:
+            self.packed_weight = prepack(self.weight)
+        if not keep_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 
 from worker_proc import parallel
 from worker_proc.layers.skinny import MAX_ROWS as SKINNY_MAX_ROWS
-from worker_proc.layers.skinny import SkinnyLinear
+from worker_proc.layers.skinny import SkinnyLinear, SkinnyWeight
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,11 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
 
 
 def best_linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
-                skinny: SkinnyLinear | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) by the fastest path a layer has: the skinny linear for a step of few rows,
-    oneDNN's packed weight, else F.linear."""
-    if skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
-        return skinny(x, weight, bias)
+                skinny: SkinnyWeight | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) by the fastest path a layer has: the skinny linear for a decode step's rows (or
+    any step, when the layer has no oneDNN copy), oneDNN's packed weight, else F.linear."""
+    if skinny is not None and (x.shape[0] <= SKINNY_MAX_ROWS or packed_weight is None):
+        return skinny(x, bias)
     if packed_weight is not None:
         return packed_linear(x, packed_weight, bias)
     return F.linear(x, weight, bias)
@@ -73,15 +73,14 @@ class LinearBase(nn.Module):
             self.bias = _attach_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
                                        self.weight_loader)
         self.packed_weight: torch.Tensor | None = None
-        self.skinny: SkinnyLinear | None = None
+        self.skinny: SkinnyWeight | None = None
 
     def pack_for_cpu(self, skinny: SkinnyLinear | None = None) -> None:
-        """Call once, after loading. Afterwards only packed_weight is used, and `weight` holds no
-        data unless `skinny` runs the steps of few rows from it."""
+        """Call once, after loading. Afterwards `weight` holds no data: oneDNN's packed copy runs
+        the steps, and with `skinny` its own copy runs those of up to skinny.MAX_ROWS rows."""
         self.packed_weight = prepack(self.weight)
-        self.skinny = skinny
-        if skinny is None:
-            self.weight.data = self.weight.data.new_empty(0)
+        self.skinny = None if skinny is None else skinny.pack(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return best_linear(x, self.weight, self.packed_weight, self.skinny, bias)

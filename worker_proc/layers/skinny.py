@@ -1,10 +1,10 @@
-"""The native skinny linear (worker_proc/csrc/skinny_linear.c): y = x W^T for the few rows of a
-small decode step, fp32 on AVX2 + FMA or better.
+"""The native skinny linear (worker_proc/csrc/skinny_linear.c): y = x W^T for the rows of a decode
+step, fp32 on AVX2 + FMA or better.
 
-oneDNN's prepacked GEMM runs a 2048-row prefill near this machine's peak but 1-16 rows at a
-fraction of what streaming the weight allows (a decode step with few sequences, and the tail of
-every burst). The kernel reads W in its plain [out, in] layout, so a layer that uses it keeps that
-copy beside oneDNN's packed one. SmolLM2-135M: docs/benchmarks.md "Decode linears at few rows".
+oneDNN's prepacked GEMM runs a 2048-row prefill near this machine's peak, but a decode step (1-64
+rows) at a fraction of it, and 1-16 rows at a fraction of what streaming the weight allows. The
+kernel keeps its own copy of W in panels of 16 output features (pack_panels) beside oneDNN's
+packed one; the layer's plain weight is dropped. SmolLM2-135M: docs/benchmarks.md "Decode linears".
 """
 
 from __future__ import annotations
@@ -13,15 +13,26 @@ import ctypes
 import logging
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # above this oneDNN's packed GEMM is as fast (docs/benchmarks.md)
+MAX_ROWS = 256  # above this oneDNN's packed GEMM is faster (docs/benchmarks.md)
+PANEL = 16  # output features per panel of the packed weight (csrc/skinny_linear.c)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> [ceil(n / PANEL), k, PANEL]: panel p holds output features PANEL * p onwards
+    k-major (the last panel's missing features zero), the kernel's weight layout."""
+    n, k = weight.shape
+    if n % PANEL:
+        weight = F.pad(weight, (0, 0, 0, PANEL - n % PANEL))
+    return weight.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
 class SkinnyLinear:
-    """Calls release the GIL. Checks what C cannot: dtypes, layouts and shapes."""
+    """The kernel. Calls release the GIL. Checks what C cannot: dtypes, layouts and shapes."""
 
     def __init__(self, library: ctypes.CDLL, num_threads_cap: int | None) -> None:
         self._linear = library.skinny_linear_f32
@@ -29,15 +40,24 @@ class SkinnyLinear:
         self._linear.restype = ctypes.c_int
         self.num_threads_cap = num_threads_cap
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> SkinnyWeight:
+        """weight: fp32 [n, k], the layer's plain weight (not kept)."""
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"skinny linear needs an fp32 weight [n, k], got {weight.dtype} {tuple(weight.shape)}")
+        return SkinnyWeight(self, pack_panels(weight.detach()), weight.shape[0])
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
         """x: fp32 [m, k] (rows any stride apart; copied first if a row's elements are not
-        contiguous); weight: fp32 [n, k] contiguous; bias: fp32 [n] or None -> fp32 [m, n]."""
+        contiguous); panels: pack_panels of an fp32 [out_features, k] weight; bias: fp32
+        [out_features] or None -> fp32 [m, out_features]."""
         m, k = x.shape
-        n = weight.shape[0]
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
-                or weight.shape[1] != k:
-            raise ValueError(f"skinny linear needs fp32 x [m, {k}] and a contiguous fp32 weight [n, {k}], "
-                             f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+        n = out_features
+        if x.dtype != torch.float32 or panels.dtype != torch.float32 or not panels.is_contiguous() \
+                or panels.shape != (-(-n // PANEL), k, PANEL):
+            raise ValueError(f"skinny linear needs fp32 x [m, {k}] and fp32 panels [{-(-n // PANEL)}, {k}, "
+                             f"{PANEL}] of a weight [{n}, {k}], got {x.dtype} {tuple(x.shape)} and "
+                             f"{panels.dtype} {tuple(panels.shape)}")
         if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
             x = x.contiguous()
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
@@ -47,12 +67,24 @@ class SkinnyLinear:
         if self.num_threads_cap is not None:
             num_threads = min(num_threads, self.num_threads_cap)
         row_stride = x.stride(0) if m > 1 else k  # a lone row's stride is never used
-        status = self._linear(x.data_ptr(), row_stride, weight.data_ptr(),
+        status = self._linear(x.data_ptr(), row_stride, panels.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, num_threads)
         if status != 0:
-            raise ValueError(f"skinny linear refused x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+            raise ValueError(f"skinny linear refused x {tuple(x.shape)} and panels {tuple(panels.shape)} "
                              f"(status {status})")
         return out
+
+
+class SkinnyWeight:
+    """One layer's weight in the kernel's panel layout, and the kernel: x -> x W^T (+ bias)."""
+
+    def __init__(self, kernel: SkinnyLinear, panels: torch.Tensor, out_features: int) -> None:
+        self.kernel = kernel
+        self.panels = panels
+        self.out_features = out_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel(x, self.panels, self.out_features, bias)
 
 
 def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
@@ -64,5 +96,6 @@ def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
     if isinstance(found, str):
         log.info("linears: oneDNN only (%s)", found)
         return None
-    log.info("linears: oneDNN prepacked; steps of at most %d rows through the native skinny linear", MAX_ROWS)
+    log.info("linears: steps of at most %d rows through the native skinny linear, larger ones through "
+             "oneDNN prepacked; the LM head through the skinny linear", MAX_ROWS)
     return SkinnyLinear(*found)
