@@ -44,8 +44,12 @@ def check_devices(config: EngineConfig, gpus: list[str]) -> None:
 def worker_env(config: EngineConfig, local_rank: int, gpus: list[str]) -> dict[str, str]:
     """Environment overrides for one worker: CUDA_VISIBLE_DEVICES = its one GPU (so it is
     cuda:0 inside); on a CPU node, torch's ISA cap when --cpu-isa / CONVEYOR_CPU_ISA sets one
-    (the worker splits the cores itself)."""
+    (the worker splits the cores itself), and torch's CPU allocator asked for transparent huge
+    pages (THP_MEM_ALLOC_ENABLE, unless the environment sets it): the KV cache and the weights
+    then span 2 MiB pages, and the kernels streaming them stop missing the TLB and restarting the
+    hardware prefetcher every 4 KiB (docs/benchmarks.md "Huge pages")."""
     if not gpus:
-        return torch_isa_env(config.cpu_isa)
+        return {**torch_isa_env(config.cpu_isa),
+                "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
     index = config.devices[local_rank] if config.devices else local_rank
     return {"CUDA_VISIBLE_DEVICES": gpus[index]}

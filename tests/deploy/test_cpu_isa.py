@@ -59,11 +59,12 @@ def test_auto_on_a_gpu_is_bf16() -> None:
     assert choose_dtype("auto", cpu_isa(ZEN3), on_gpu=True) == ("bfloat16", "auto: CUDA GPU")
 
 
-def test_the_cap_reaches_torch_only_when_set() -> None:
+def test_the_cap_reaches_torch_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     assert torch_isa_env("") == {}
     assert torch_isa_env("avx2") == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     assert worker_env(EngineConfig(cpu_isa="avx512"), 0, []) == {
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"}
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512", "THP_MEM_ALLOC_ENABLE": "1"}
     assert worker_env(EngineConfig(cpu_isa="avx2"), 0, ["0"]) == {"CUDA_VISIBLE_DEVICES": "0"}
 
 

@@ -35,14 +35,18 @@ def test_visible_gpus_follow_cuda_visible_devices_then_the_driver(tmp_path: Path
     assert visible_gpus({}, driver_dir=tmp_path / "absent") == []
 
 
-def test_each_worker_sees_only_its_own_gpu() -> None:
+def test_each_worker_sees_only_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     config = EngineConfig(tensor_parallel_size=4, nnodes=2, node_rank=1, master_addr="h",
                           devices=(3, 1), insecure_transport=True)
     gpus = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
     assert [worker_env(config, local, gpus) for local in range(2)] == [
         {"CUDA_VISIBLE_DEVICES": "GPU-d"}, {"CUDA_VISIBLE_DEVICES": "GPU-b"}]
     assert worker_env(EngineConfig(tensor_parallel_size=2), 1, ["0", "1"]) == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert worker_env(EngineConfig(tensor_parallel_size=2), 1, []) == {}  # CPU: the worker splits cores
+    # CPU: the worker splits cores; torch's allocator takes huge pages unless the environment says no
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert worker_env(EngineConfig(tensor_parallel_size=2), 1, []) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert worker_env(EngineConfig(tensor_parallel_size=2), 1, []) == {"THP_MEM_ALLOC_ENABLE": "0"}
 
 
 def test_more_devices_than_exist_are_refused_with_what_is_visible() -> None:
