@@ -7,7 +7,9 @@
  * queries of one member (a prefill chunk's) are attended as a block: every K tile then serves each
  * query head of every query in the block while it is in L1, and the V rows read for the block's
  * first query are still in L2 for the others, so the block reads its member's K and V from memory
- * once instead of once per query. */
+ * once instead of once per query. A lone query (a decode) asks for each next block of its K and V
+ * rows while it works on the current one: every block is a separate run of memory, where the
+ * hardware prefetcher would start over. */
 #include "paged_attention.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -63,11 +65,20 @@ ALWAYS_INLINE __m256 valid_lanes(int start, int n) {  /* all-ones in lanes start
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - start), lane));
 }
 
+/* Asks the caches for block b of the table (block_size rows of row_bytes from base) ahead of use:
+ * each block is a page-sized run of its own, where the hardware prefetcher starts over. */
+ALWAYS_INLINE void prefetch_block(const int32_t *table, int block_size, int b, int n, const char *base,
+                                  int row_bytes) {
+    if ((int64_t)b * block_size >= n) return;
+    const char *p = base + (int64_t)table[b] * block_size * row_bytes;
+    for (int offset = 0; offset < block_size * row_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
 /* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's
  * max over its own positions [0, n_of[g]) (n_of[g] <= n). */
 ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *keys, int n, int stride,
-                             const __m256 *query, const int *n_of, float *scores, float *top, const int G,
-                             const int C, const int BF16) {
+                             const __m256 *query, const int *n_of, float *scores, float *top, int prefetch,
+                             const int G, const int C, const int BF16) {
     const int dim = LANES * C, bytes = BF16 ? 2 : 4;
     float widened[LANES][LANES * MAX_CHUNKS];
     __m256 max[MAX_GROUP];
@@ -75,6 +86,7 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
         const float *k[LANES];
+        if (prefetch && start % a->block_size == 0) prefetch_block(table, a->block_size, start / a->block_size + 1, n, keys, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES; i++) {
             k[i] = (const float *)(keys + rows[i] * bytes);
@@ -127,14 +139,16 @@ ALWAYS_INLINE void softmax_numerators(float *scores, const int *n_of, int stride
 }
 /* out rows of G heads, chunks [c0, c0 + CB): sum_p probs[p] * V[p] / total */
 ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *values, int n, int stride,
-                              const float *probs, const float *total, char *out_row, const int G,
-                              const int C, const int c0, const int CB, const int BF16) {
+                              const float *probs, const float *total, char *out_row, int prefetch,
+                              const int G, const int C, const int c0, const int CB, const int BF16) {
     const int dim = LANES * C, bytes = BF16 ? 2 : 4;
     __m256 acc[PV_GROUP][MAX_CHUNKS];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < CB; c++) acc[g][c] = _mm256_setzero_ps();
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
+        if (prefetch && c0 == 0 && start % a->block_size == 0)
+            prefetch_block(table, a->block_size, start / a->block_size + 1, n, values, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES && start + i < n; i++) {
             __m256 weight[PV_GROUP];
@@ -152,12 +166,12 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *v
     }
 }
 ALWAYS_INLINE void pv_heads(const Args *a, const int32_t *table, const char *values, int n, int stride,
-                            const float *probs, const float *total, char *out_row, const int G,
-                            const int C, const int BF16) {
+                            const float *probs, const float *total, char *out_row, int prefetch,
+                            const int G, const int C, const int BF16) {
     const int CB = G * C <= PV_REGISTERS ? C : G * (C / 2) <= PV_REGISTERS ? C / 2
                    : G * (C / 4) <= PV_REGISTERS ? C / 4 : G * (C / 8) <= PV_REGISTERS ? C / 8 : 1;
     for (int c0 = 0; c0 < C; c0 += CB)
-        pv_columns(a, table, values, n, stride, probs, total, out_row, G, C, c0, CB, BF16);
+        pv_columns(a, table, values, n, stride, probs, total, out_row, prefetch, G, C, c0, CB, BF16);
 }
 /* count consecutive queries of one member against one KV head: G query heads each, rows of C
  * 8-element chunks. */
@@ -181,7 +195,10 @@ ALWAYS_INLINE void attend_block(const Args *a, int64_t first, int count, int kv_
         for (int c = 0; c < C; c++)
             query_chunks[r * C + c] = _mm256_mul_ps(load8(q + LANES * c * bytes, BF16), _mm256_set1_ps(a->scale));
     }
-    qk_scores(a, table, keys, n, stride, query_chunks, n_of, scores, top, P, C, BF16);
+    /* a lone query reads its member's K and V once, straight from memory: ask for each next block
+     * ahead; a block of queries finds them in L2, where prefetching only costs */
+    const int prefetch = count == 1;
+    qk_scores(a, table, keys, n, stride, query_chunks, n_of, scores, top, prefetch, P, C, BF16);
     softmax_numerators(scores, n_of, stride, top, total, P, BF16);
     for (int j = 0; j < count; j++) {
         char *out = (char *)a->out + ((first + j) * a->num_heads + (int64_t)kv_head * G) * dim * bytes;
@@ -191,10 +208,10 @@ ALWAYS_INLINE void attend_block(const Args *a, int64_t first, int count, int kv_
             const float *p = scores + (j * G + g0) * stride;
             const float *t = total + j * G + g0;
             char *o = out + g0 * dim * bytes;
-            if (heads == 1) pv_heads(a, table, values, nj, stride, p, t, o, 1, C, BF16);
-            else if (heads == 2) pv_heads(a, table, values, nj, stride, p, t, o, 2, C, BF16);
-            else if (heads == 3) pv_heads(a, table, values, nj, stride, p, t, o, 3, C, BF16);
-            else pv_heads(a, table, values, nj, stride, p, t, o, 4, C, BF16);
+            if (heads == 1) pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 1, C, BF16);
+            else if (heads == 2) pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 2, C, BF16);
+            else if (heads == 3) pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 3, C, BF16);
+            else pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 4, C, BF16);
         }
     }
 }
