@@ -53,7 +53,7 @@ def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> Non
     packed = kernel.pack(torch.randn(8, 16))
     with pytest.raises(ValueError, match="fp32 x"):
         packed(torch.randn(2, 16, dtype=torch.bfloat16), None)
-    with pytest.raises(ValueError, match=r"fp32 x \[m, 12\] and fp32 panels \[1, 12, 16\] of a weight \[8, 12\]"):
+    with pytest.raises(ValueError, match=r"fp32 x \[m, 16\] and contiguous fp32 panels \[1, 16, 16\] of a weight \[8, 16\], got x torch.float32 \(2, 12\)"):
         packed(torch.randn(2, 12), None)
     with pytest.raises(ValueError, match=r"bias \[8\]"):
         packed(torch.randn(2, 16), torch.randn(9))

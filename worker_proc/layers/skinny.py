@@ -53,11 +53,12 @@ class SkinnyLinear:
         [out_features] or None -> fp32 [m, out_features]."""
         m, k = x.shape
         n = out_features
+        num_panels, weight_k = -(-n // PANEL), panels.shape[1] if panels.dim() == 3 else -1
         if x.dtype != torch.float32 or panels.dtype != torch.float32 or not panels.is_contiguous() \
-                or panels.shape != (-(-n // PANEL), k, PANEL):
-            raise ValueError(f"skinny linear needs fp32 x [m, {k}] and fp32 panels [{-(-n // PANEL)}, {k}, "
-                             f"{PANEL}] of a weight [{n}, {k}], got {x.dtype} {tuple(x.shape)} and "
-                             f"{panels.dtype} {tuple(panels.shape)}")
+                or panels.shape != (num_panels, weight_k, PANEL) or k != weight_k:
+            raise ValueError(f"skinny linear needs fp32 x [m, {weight_k}] and contiguous fp32 panels "
+                             f"[{num_panels}, {weight_k}, {PANEL}] of a weight [{n}, {weight_k}], got x "
+                             f"{x.dtype} {tuple(x.shape)} and panels {panels.dtype} {tuple(panels.shape)}")
         if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
             x = x.contiguous()
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
