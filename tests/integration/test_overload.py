@@ -15,7 +15,7 @@ from deploy.launcher import Stack
 
 NUM_REQUESTS = 80  # one every ARRIVAL_GAP_S against 2 seats + 8 waiting: well over what it sustains
 ARRIVAL_GAP_S = 0.01
-MAX_TOKENS = 8
+MAX_TOKENS = 32  # long enough that 2 seats drain far slower than the flood arrives
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # about 40 tiny-model tokens
 MAX_WAITING_TOKENS = 200  # about four waiting prompts: the token bound binds before the count
 # Resident memory after the flood. Measured on the tiny model on 2 cores: frontend 74 MiB,
