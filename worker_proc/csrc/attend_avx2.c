@@ -65,13 +65,15 @@ ALWAYS_INLINE __m256 valid_lanes(int start, int n) {  /* all-ones in lanes start
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - start), lane));
 }
 
-/* Asks the caches for block b of the table (block_size rows of row_bytes from base) ahead of use:
- * each block is a page-sized run of its own, where the hardware prefetcher starts over. */
-ALWAYS_INLINE void prefetch_block(const int32_t *table, int block_size, int b, int n, const char *base,
-                                  int row_bytes) {
-    if ((int64_t)b * block_size >= n) return;
-    const char *p = base + (int64_t)table[b] * block_size * row_bytes;
-    for (int offset = 0; offset < block_size * row_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+/* At the first position of a block, asks the caches for the next block of the table (block_size
+ * rows of row_bytes from base) ahead of use: each block is a page-sized run of its own, where the
+ * hardware prefetcher starts over. */
+ALWAYS_INLINE void prefetch_next_block(const Args *a, const int32_t *table, int start, int n, const char *base,
+                                       int row_bytes) {
+    int next = start / a->block_size + 1;
+    if (start % a->block_size || (int64_t)next * a->block_size >= n) return;
+    const char *p = base + (int64_t)table[next] * a->block_size * row_bytes;
+    for (int offset = 0; offset < a->block_size * row_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
 /* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's
@@ -86,7 +88,7 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
         const float *k[LANES];
-        if (prefetch && start % a->block_size == 0) prefetch_block(table, a->block_size, start / a->block_size + 1, n, keys, dim * bytes);
+        if (prefetch) prefetch_next_block(a, table, start, n, keys, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES; i++) {
             k[i] = (const float *)(keys + rows[i] * bytes);
@@ -147,8 +149,7 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *v
         for (int c = 0; c < CB; c++) acc[g][c] = _mm256_setzero_ps();
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
-        if (prefetch && c0 == 0 && start % a->block_size == 0)
-            prefetch_block(table, a->block_size, start / a->block_size + 1, n, values, dim * bytes);
+        if (prefetch && c0 == 0) prefetch_next_block(a, table, start, n, values, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES && start + i < n; i++) {
             __m256 weight[PV_GROUP];
