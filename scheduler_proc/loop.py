@@ -15,10 +15,11 @@ import zmq
 from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
+from proto.faults import Fault
 from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
                             RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
 from scheduler_proc.engine import SchedulerEngine
-from scheduler_proc.faults import SchedulerFault
+from scheduler_proc.faults import scheduler_fault
 from scheduler_proc.frontend_watch import FrontendWatch
 
 Message = TypeVar("Message")
@@ -58,7 +59,7 @@ class SchedulerLoop:
         self.num_worker_restarts = 0  # worker groups lost and replaced
         self._frontend = FrontendWatch(_process_alive)
         self._frontend_epoch = -1  # FrontendHello.epoch of the last hello
-        self._fault: SchedulerFault | None = None  # test-only (CONVEYOR_SCHEDULER_FAULT)
+        self._fault: Fault | None = None  # test-only (CONVEYOR_SCHEDULER_FAULT)
 
     def request_stop(self) -> None:
         """Ask the loop to finish; safe to call from a signal handler or another thread."""
@@ -73,7 +74,7 @@ class SchedulerLoop:
             self._close()
             return 1
         try:
-            self._fault = SchedulerFault.from_environ()
+            self._fault = scheduler_fault()
         except ValueError as exc:
             self._fail(str(exc))
             self._close()
