@@ -143,6 +143,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered as the chat endpoint renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -12,6 +12,7 @@ from frontend.errors import bad_request
 from frontend.openapi import request_body
 from frontend.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from frontend.state import ServerState, get_state
+from frontend.tools import parse_tools
 from frontend.validation import chat_prompt_ids, check_text_fits, check_token_ids
 
 router = APIRouter()
@@ -63,8 +64,11 @@ def _tokenize(body: TokenizeRequest, state: ServerState) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of `prompt` or `messages`")
     max_model_len = state.limits.max_model_len
+    if body.tools is not None and body.messages is None:
+        raise bad_request("tools are rendered into a chat prompt: send them with `messages`", "tools")
     if body.messages is not None:
-        tokens = chat_prompt_ids(body.messages, state.tokenizer, body.add_generation_prompt, max_model_len)
+        tools = parse_tools(body.tools, None)  # the shape only: rendering compiles no grammar
+        tokens = chat_prompt_ids(body.messages, state.tokenizer, body.add_generation_prompt, max_model_len, tools)
     else:
         check_text_fits(body.prompt, state.tokenizer, max_model_len, "prompt")
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

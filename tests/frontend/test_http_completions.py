@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from frontend.protocol import ChatMessage
+from frontend.tools import parse_tools
+from frontend.validation import chat_prompt_ids
+
 pytestmark = pytest.mark.anyio
 
 
@@ -143,6 +147,24 @@ async def test_tokenize_and_detokenize_round_trip(client, tokenizer):
     assert text == {"prompt": "Héllo wörld"}
     chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
     assert chat["tokens"] == tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+
+
+async def test_tokenize_renders_tools_into_the_chat_prompt_as_the_chat_endpoint_does(client, tokenizer, config):
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}]
+    with_tools = (await client.post("/tokenize", json={"messages": messages, "tools": tools})).json()
+    expected = chat_prompt_ids([ChatMessage(**m) for m in messages], tokenizer, True, config.max_model_len,
+                               parse_tools(tools, None))
+    assert with_tools["tokens"] == expected
+    assert "get_weather" in tokenizer.decode(with_tools["tokens"])
+    plain = (await client.post("/tokenize", json={"messages": messages})).json()
+    assert plain["count"] < with_tools["count"]
+    refused = await client.post("/tokenize", json={"prompt": "hi", "tools": tools})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    bad = await client.post("/tokenize", json={"messages": messages, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.function"
 
 
 async def test_version_reports_a_version(client):
