@@ -30,7 +30,8 @@ def test_a_profile_of_the_tiny_model_splits_each_step_and_sets_compute_against_i
                        "--prefill", "64", "--steps", "2", "--num-threads", "1", "--no-scheduler",
                        "--out", str(out)])
     report = json.loads(out.read_text())
-    assert report["peak"]["memory_gbps"] > 0 and report["peak"]["float32_gflops"]["qkv"] > 0
+    peak = report["peak"]
+    assert peak["memory_gbps"] > 0 and peak["memory_copy_gbps"] > 0 and peak["float32_gflops"]["qkv"] > 0
     for name in ("prefill_64", "decode_4x40"):
         ms = report["steps"][name]["ms"]
         assert {"linears", "attention", "norms", "rope", "activations", "lm_head", "sampler",

@@ -4,8 +4,9 @@
         --dtype float32 --decode-batches 32,64,256 --prefill 2048 --out profile.json
 
 First the machine's peak: GFLOP/s of the model's own matmul shapes (fp32 and bf16, as the worker
-runs them: oneDNN-prepacked where oneDNN packs that dtype) and memory GB/s (a large copy). Then
-steps of the real ModelRunner (a prefill chunk, decode steps at each batch size), every call timed
+runs them: oneDNN-prepacked where oneDNN packs that dtype, the LM head through the skinny linear
+where the worker has it) and memory GB/s (reading a large tensor; a copy's read + write rate is
+reported beside it). Then steps of the real ModelRunner (a prefill chunk, decode steps at each batch size), every call timed
 into one category by exclusive wall time (tools.stopwatch): linears, LM head, attention, norms,
 rope, activations (silu * up), embedding, layer glue (views, splits, the Python between layers),
 plan building, sampler, runner glue. Each compute category is set against its floor at the
@@ -35,6 +36,7 @@ from worker_proc.batch import synthetic_plan
 from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_proc.layers.linear import LinearBase, cpu_prepack_supported, packed_linear, prepack
 from worker_proc.layers.norm import RMSNorm
+from worker_proc.layers.skinny import SkinnyLinear
 from worker_proc.model import MLP, Attention, DecoderLayer
 from worker_proc.model_config import ModelConfig, torch_dtype
 from worker_proc.runner import ModelRunner
@@ -62,24 +64,35 @@ def best_seconds(fn: object, repeats: int) -> float:
     return min(times)
 
 
-def matmul_gflops(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, rows: int) -> dict[str, float]:
-    """GFLOP/s of rows x in @ in x out per shape, the way the worker runs that dtype."""
+def matmul_gflops(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, rows: int,
+                  skinny: SkinnyLinear | None) -> dict[str, float]:
+    """GFLOP/s of rows x in @ in x out per shape, the way the worker runs that dtype at `rows` rows
+    (the LM head through `skinny`, the worker's kernel for it, when given)."""
     packed = cpu_prepack_supported(dtype)
     result = {}
     for name, (in_features, out_features) in shapes.items():
         x = torch.randn(rows, in_features).to(dtype)
         weight = torch.randn(out_features, in_features).to(dtype)
-        run = (lambda w=prepack(weight): packed_linear(x, w, None)) if packed else (lambda: F.linear(x, weight))
+        if name == "lm_head" and skinny is not None and dtype == torch.float32:
+            run = lambda w=skinny.pack(weight): w(x, None)  # noqa: E731
+        elif packed:
+            run = lambda w=prepack(weight): packed_linear(x, w, None)  # noqa: E731
+        else:
+            run = lambda: F.linear(x, weight)  # noqa: E731
         seconds = best_seconds(run, 5)
         result[name] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
     return result
 
 
-def memory_gbps(megabytes: int = 512) -> float:
+def memory_gbps(megabytes: int = 512) -> dict[str, float]:
+    """GB/s reading a large tensor (a sum: what weight streaming and K/V reads do, the floors' figure)
+    and copying it (read + write bytes, for reference; lower on most machines)."""
     source = torch.ones(megabytes << 18)  # float32: 4 bytes each
     target = torch.empty_like(source)
-    seconds = best_seconds(lambda: target.copy_(source), 5)
-    return round(2 * source.numel() * 4 / seconds / 1e9, 1)  # read + write
+    nbytes = source.numel() * 4
+    read_s = best_seconds(lambda: source.sum(), 5)
+    copy_s = best_seconds(lambda: target.copy_(source), 5)
+    return {"read": round(nbytes / read_s / 1e9, 1), "copy": round(2 * nbytes / copy_s / 1e9, 1)}
 
 
 def instrument(runner: ModelRunner, watch: Stopwatch) -> None:
@@ -178,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(config, rank=0, show_progress=False)
     model = runner.model.config
     shapes = linear_shapes(model)
-    peak = {"threads": torch.get_num_threads(), "memory_gbps": memory_gbps(),
-            "float32_gflops": matmul_gflops(shapes, torch.float32, 1024),
-            "bfloat16_gflops": matmul_gflops(shapes, torch.bfloat16, 1024)}
+    head = runner.model.lm_head.skinny
+    skinny = None if head is None else head.kernel  # the worker's LM-head kernel, if it has one
+    bandwidth = memory_gbps()
+    peak = {"threads": torch.get_num_threads(), "memory_gbps": bandwidth["read"],
+            "memory_copy_gbps": bandwidth["copy"],
+            "float32_gflops": matmul_gflops(shapes, torch.float32, 1024, skinny),
+            "bfloat16_gflops": matmul_gflops(shapes, torch.bfloat16, 1024, skinny)}
     peak_gflops = max(peak[f"{args.dtype}_gflops"].values())
     watch = Stopwatch()
     instrument(runner, watch)
