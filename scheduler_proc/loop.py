@@ -1,4 +1,5 @@
-"""The scheduler process's step loop: the only code here that touches sockets."""
+"""The scheduler process's step loop: its sockets to the frontend and the supervisor, and each step
+through the worker group (worker_group.py holds the step channels)."""
 
 from __future__ import annotations
 
@@ -6,30 +7,26 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import numpy as np
 import zmq
 
-from proto import codec, sockets, transport
+from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.errors import ProtocolError, ValidationError
+from proto.errors import ValidationError
 from proto.faults import Fault
 from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
-                            RestartWorkers, StepOutputs, StepPlan, StepResult, WorkerReady)
+                            RestartWorkers, StepOutputs, StepPlan)
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault
 from scheduler_proc.frontend_watch import FrontendWatch
-
-Message = TypeVar("Message")
+from scheduler_proc.worker_group import POLL_SLICE_S, FrameReader, WorkerGroup, process_alive, send_frame
 
 logger = logging.getLogger(__name__)
 
 # The frontend's liveness signal while nothing else is sent: idle, during a step (while it waits
 # for the workers) and while a worker group is replaced. A longer silence means a hung scheduler.
 HEARTBEAT_INTERVAL_S = 1.0
-POLL_SLICE_S = 0.5  # longest blocking wait before re-checking stop requests and the parent
 MAX_FRAMES_PER_DRAIN = 4096  # bounds one inbox drain so a flood cannot starve running steps
 FINAL_MESSAGE_LINGER_MS = 1000  # time for last outputs / ProcessFailed to leave at exit
 
@@ -42,7 +39,7 @@ class SchedulerLoop:
                  parent_pid: int | None = None) -> None:
         self.config = config
         self.engine: SchedulerEngine | None = None
-        self.num_protocol_errors = 0
+        self._reader = FrameReader()
         self._context = context or zmq.Context()
         self._owns_context = context is None
         self._stopping = False
@@ -51,15 +48,18 @@ class SchedulerLoop:
         self._sockets: list[zmq.Socket] = []
         self._control: zmq.Socket | None = None  # set with the others by _open_sockets
         self._outputs: zmq.Socket | None = None
-        self._guard: transport.KeyGuard | None = None  # CURVE's ZAP handler, multi-node with keys
+        self._workers = WorkerGroup(config, self._context, self._reader, self._should_exit)
         self._fatal_error = ""  # set when the loop cannot go on: it ends, the stack stops
-        self._worker_pids: dict[int, int] = {}  # rank -> pid of the group serving now
         self._workers_serving = False  # False until the group is ready, and while it is replaced
-        self._generation = -1  # the serving worker group's (WorkerReady.generation); stamped on plans
         self.num_worker_restarts = 0  # worker groups lost and replaced
-        self._frontend = FrontendWatch(_process_alive)
+        self._frontend = FrontendWatch(process_alive)
         self._frontend_epoch = -1  # FrontendHello.epoch of the last hello
         self._fault: Fault | None = None  # test-only (CONVEYOR_SCHEDULER_FAULT)
+
+    @property
+    def num_protocol_errors(self) -> int:
+        """Frames dropped as malformed, unexpected or stale, on every socket."""
+        return self._reader.num_protocol_errors
 
     def request_stop(self) -> None:
         """Ask the loop to finish; safe to call from a signal handler or another thread."""
@@ -109,37 +109,14 @@ class SchedulerLoop:
         self._control = self._track(sockets.connect(ctx, zmq.PUSH, run_dir, sockets.CONTROL))
         self._requests = self._track(sockets.bind(ctx, zmq.PULL, run_dir, sockets.REQUESTS, max_frame_bytes))
         self._outputs = self._track(sockets.bind(ctx, zmq.PUSH, run_dir, sockets.OUTPUTS))
-        self._open_step_channels()
-
-    def _open_step_channels(self) -> None:
-        ctx, config = self._context, self.config
-        max_frame_bytes = sockets.max_frame_bytes(config)
-        # Step channels are tcp:// on the master address when the worker ranks span nodes, CURVE
-        # with --transport-keys: the ZAP handler runs before the first bind.
-        if self._guard is None:
-            self._guard = sockets.guard_step_channels(ctx, config)
-        self._plans = [self._track(sockets.bind_channel(ctx, zmq.PUSH, config, sockets.plan_channel(rank),
-                                                        self._guard))
-                       for rank in range(config.tensor_parallel_size)]
-        self._results = self._track(sockets.bind_channel(ctx, zmq.PULL, config, sockets.RESULTS, self._guard,
-                                                         max_frame_bytes))
-
-    def _reopen_step_channels(self) -> None:
-        """Fresh plan and result sockets for a new worker group: nothing queued for or sent by the
-        lost group can reach the new one."""
-        for sock in (*self._plans, self._results):
-            self._sockets.remove(sock)
-            sock.close(linger=0)
-        self._open_step_channels()
+        self._workers.open()
 
     def _track(self, sock: zmq.Socket) -> zmq.Socket:
         self._sockets.append(sock)
         return sock
 
     def _close(self) -> None:
-        if self._guard is not None:
-            self._guard.stop()  # first: its thread's socket lives in the context destroyed below
-            self._guard = None
+        self._workers.close()
         for sock in self._sockets:
             # Final outputs and ProcessFailed may still be queued: let them leave.
             keep = sock is self._control or sock is self._outputs
@@ -173,48 +150,10 @@ class SchedulerLoop:
         """min over ranks of the reported KV blocks, or None (ProcessFailed sent) on timeout.
         While a lost group is replaced (the engine exists), new requests are queued and the
         frontend hears heartbeats that say no group is serving."""
-        num_ranks, timeout_s = self.config.tensor_parallel_size, self.config.ready_timeout_s
-        deadline = time.monotonic() + timeout_s
-        blocks_by_rank: dict[int, int] = {}
-        generation = self._generation + 1  # the lowest one that may serve next
-        while len(blocks_by_rank) < num_ranks and not self._should_exit():
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                break
-            if self.engine is not None:
-                self._serve_frontend_only()
-            # Only WorkerReady is expected now: a StepResult here is counted as a protocol error.
-            ready = self._decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)),
-                                 WorkerReady)
-            if ready is None:
-                continue
-            if not 0 <= ready.rank < num_ranks:
-                self._count_bad(f"unexpected {ready!r:.120} while waiting for workers")
-                continue
-            if ready.generation < generation:  # a rank of the lost group (or an older one)
-                self._count_bad(f"ignored worker rank {ready.rank} (pid {ready.pid}) of worker group "
-                                f"{ready.generation}: waiting for group {generation} or later")
-                continue
-            if ready.generation > generation:  # a later group replaced the one being gathered
-                generation, blocks_by_rank = ready.generation, {}
-            logger.info("worker rank %d (pid %d) ready with %d KV blocks", ready.rank, ready.pid,
-                        ready.num_kv_blocks)
-            blocks_by_rank[ready.rank] = ready.num_kv_blocks
-            self._worker_pids[ready.rank] = ready.pid
-        if self._should_exit():
-            return None
-        missing = [rank for rank in range(num_ranks) if rank not in blocks_by_rank]
-        if missing:
-            num_refused = self._guard.num_refused if self._guard else 0
-            refused = (f"; {num_refused} peers were refused for a CURVE key that is not this "
-                       "deployment's (--transport-keys)" if num_refused else "")
-            self._fail(f"worker ranks {missing} did not report ready within {timeout_s} s{refused}")
-            return None
-        self._generation = generation
-        num_kv_blocks = min(blocks_by_rank.values())
-        if num_kv_blocks < 1:
-            self._fail(f"workers reported {blocks_by_rank} KV blocks by rank; need at least 1")
-            return None
+        num_kv_blocks, failure = self._workers.gather(
+            lambda: self._serve_frontend_only() if self.engine is not None else None)
+        if failure:
+            self._fail(failure)
         return num_kv_blocks
 
     def _serve(self) -> None:
@@ -241,7 +180,7 @@ class SchedulerLoop:
                 frame = self._requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            match self._decode(frame, sockets.REQUEST_MESSAGES):
+            match self._reader.decode(frame, sockets.REQUEST_MESSAGES):
                 case AddRequest() as add:
                     self.engine.add(add)
                 case AbortRequest() as abort:
@@ -296,13 +235,13 @@ class SchedulerLoop:
         if self._fault is not None:
             self._fault.fire(plan.step_id)
         # Encoded once, the same bytes to every rank; a rank of another group refuses it.
-        frame = codec.encode(dataclasses.replace(plan, generation=self._generation))
+        frame = codec.encode(dataclasses.replace(plan, generation=self._workers.generation))
         deadline = time.monotonic() + self.config.step_timeout_s
-        for rank, sock in enumerate(self._plans):
-            if not self._send_frame(sock, frame, deadline, lambda: bool(self._dead_ranks([rank]))):
-                return self._lost_step(f"worker rank {rank} did not take the plan of step {plan.step_id}",
-                                       [rank])
-        result, silent = self._await_result(plan.step_id, deadline)
+        refused = self._workers.send_plan(frame, deadline)
+        if refused is not None:
+            return self._lost_step(f"worker rank {refused} did not take the plan of step {plan.step_id}",
+                                   [refused])
+        result, silent = self._workers.await_result(plan.step_id, deadline, self._step_heartbeat)
         if result is None:
             ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
             return self._lost_step(f"worker {ranks} did not answer step {plan.step_id}", silent)
@@ -315,7 +254,7 @@ class SchedulerLoop:
         rank of the new group is ready. The supervisor bounds how often (--max-restarts)."""
         if self._should_exit():
             return self.engine.fail_running("the scheduler is shutting down")
-        dead = self._dead_ranks(silent)
+        dead = self._workers.dead_ranks(silent)
         hung = [rank for rank in silent if rank not in dead]
         cause = f"{what}: {'died' if dead else 'no answer'}" + (
             f" within {self.config.step_timeout_s} s (--step-timeout)" if hung else "")
@@ -326,7 +265,7 @@ class SchedulerLoop:
         self._send_outputs(self.engine.recover_lost_step(), wait=False)
         if hung and not dead:  # after a death the supervisors replace the whole group anyway
             sockets.send(self._control, RestartWorkers(np.asarray(hung, dtype=np.int32), cause))
-        self._reopen_step_channels()
+        self._workers.reopen()
         num_kv_blocks = self._await_workers()
         if num_kv_blocks is not None and num_kv_blocks < self.engine.block_manager.num_blocks:
             self._fail(f"the new worker group has {num_kv_blocks} KV blocks, the lost one had "
@@ -339,48 +278,9 @@ class SchedulerLoop:
         logger.info("a new worker group serves (restart %d)", self.num_worker_restarts)
         return self.engine.heartbeat()
 
-    def _dead_ranks(self, ranks: list[int]) -> list[int]:
-        """Those of `ranks` whose process on this node is gone (remote ranks count as alive: only
-        their silence tells)."""
-        local = set(range(self.config.workers_per_node))  # node 0 runs ranks 0..workers_per_node-1
-        return [rank for rank in ranks if rank in local and rank in self._worker_pids
-                and not _process_alive(self._worker_pids[rank])]
-
-    def _await_result(self, step_id: int, deadline: float) -> tuple[StepResult | None, list[int]]:
-        """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
-        Another rank's error fails the step as rank 0's own would."""
-        num_ranks = self.config.tensor_parallel_size
-        answers: dict[int, StepResult] = {}
-        poller = zmq.Poller()
-        poller.register(self._results, zmq.POLLIN)
-        dead: list[int] = []
-        while len(answers) < num_ranks and not self._should_exit():
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                break
-            if self._heartbeat_due():  # a long step is not a hung scheduler
-                self._send_outputs(self.engine.progress_heartbeat(), wait=False)
-            if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
-                # Any rank gone, even one that answered (with its collective's error), lost the group.
-                dead = self._dead_ranks(list(range(num_ranks)))
-                if dead:
-                    break
-                continue
-            # Only StepResult is expected now: a WorkerReady here is counted as a protocol error.
-            result = self._decode(self._results.recv(), StepResult)
-            if result is None:
-                continue
-            if result.step_id == step_id and result.rank < num_ranks:
-                answers[result.rank] = result
-            else:
-                self._count_bad(f"discarded a result for step {result.step_id} from rank {result.rank} "
-                                f"while waiting for {step_id}")
-        if len(answers) < num_ranks:
-            return None, [rank for rank in range(num_ranks) if rank not in answers or rank in dead]
-        failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
-        if failed is not None and failed.rank != 0:
-            return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []
-        return answers[0], []
+    def _step_heartbeat(self) -> None:
+        if self._heartbeat_due():  # a long step is not a hung scheduler
+            self._send_outputs(self.engine.progress_heartbeat(), wait=False)
 
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
@@ -393,50 +293,8 @@ class SchedulerLoop:
         if self._should_exit():
             outputs = dataclasses.replace(outputs, engine_stopping=True)
         # A dead frontend's outputs are not waited for: its requests are aborted next iteration.
-        if self._send_frame(self._outputs, codec.encode(outputs), deadline, self._frontend.exited):
+        if send_frame(self._outputs, codec.encode(outputs), deadline,
+                      lambda: self._should_exit() or self._frontend.exited()):
             self._last_sent_s = time.monotonic()
         elif outputs.num_outputs and not self._frontend.exited():
             logger.error("the frontend did not take outputs for %s; they are lost", outputs.request_ids)
-
-    def _send_frame(self, sock: zmq.Socket, frame: bytes, deadline: float,
-                    abandon: Callable[[], bool] = lambda: False) -> bool:
-        """Send without blocking past `deadline`, a stop request or `abandon()` (asked once per
-        poll slice); False if not sent."""
-        while True:
-            try:
-                sock.send(frame, zmq.NOBLOCK, copy=False)
-                return True
-            except zmq.Again:
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0 or self._should_exit() or abandon():
-                    return False
-                sock.poll(int(min(remaining_s, POLL_SLICE_S) * 1000), zmq.POLLOUT)
-
-    def _decode(self, frame: bytes | None, expected: type[Message] | tuple[type, ...]) -> Message | None:
-        """The frame's message if it is one of `expected` (this read's types), else None, counted."""
-        if frame is None:
-            return None
-        try:
-            return codec.decode(frame, expected)
-        except ProtocolError as exc:
-            self._count_bad(f"dropped a malformed frame: {exc}")
-            return None
-
-    def _count_bad(self, what: str) -> None:
-        self.num_protocol_errors += 1
-        logger.warning("%s (%d protocol errors so far)", what, self.num_protocol_errors)
-
-
-def _process_alive(pid: int) -> bool:
-    """False once the process has exited (a zombie its parent has not reaped yet included)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True

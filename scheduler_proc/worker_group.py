@@ -1,0 +1,214 @@
+"""The scheduler's link to its worker group: the step channels (a plan socket per rank, one results
+socket), gathering a new group's WorkerReady, and each step's answers from every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import zmq
+
+from proto import codec, sockets, transport
+from proto.config import EngineConfig
+from proto.errors import ProtocolError
+from proto.messages import StepResult, WorkerReady
+
+Message = TypeVar("Message")
+
+logger = logging.getLogger(__name__)
+
+POLL_SLICE_S = 0.5  # longest blocking wait before re-checking stop requests and the parent
+
+
+class FrameReader:
+    """Decodes frames into the messages a read expects; anything else is counted, not raised."""
+
+    def __init__(self) -> None:
+        self.num_protocol_errors = 0
+
+    def decode(self, frame: bytes | None, expected: type[Message] | tuple[type, ...]) -> Message | None:
+        """The frame's message if it is one of `expected` (this read's types), else None, counted."""
+        if frame is None:
+            return None
+        try:
+            return codec.decode(frame, expected)
+        except ProtocolError as exc:
+            self.count_bad(f"dropped a malformed frame: {exc}")
+            return None
+
+    def count_bad(self, what: str) -> None:
+        self.num_protocol_errors += 1
+        logger.warning("%s (%d protocol errors so far)", what, self.num_protocol_errors)
+
+
+def send_frame(sock: zmq.Socket, frame: bytes, deadline: float, give_up: Callable[[], bool]) -> bool:
+    """Send without blocking past `deadline` or `give_up()` (asked once per poll slice); False if
+    not sent."""
+    while True:
+        try:
+            sock.send(frame, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0 or give_up():
+                return False
+            sock.poll(int(min(remaining_s, POLL_SLICE_S) * 1000), zmq.POLLOUT)
+
+
+class WorkerGroup:
+    """The serving group's sockets, ranks' pids and generation. `should_exit` ends every wait;
+    `while_waiting` runs between poll slices of the long waits (the frontend is served meanwhile)."""
+
+    def __init__(self, config: EngineConfig, context: zmq.Context, reader: FrameReader,
+                 should_exit: Callable[[], bool]) -> None:
+        self.config = config
+        self.generation = -1  # the serving group's (WorkerReady.generation); stamped on plans
+        self.pids: dict[int, int] = {}  # rank -> pid of the group serving now
+        self._context = context
+        self._reader = reader
+        self._should_exit = should_exit
+        self._guard: transport.KeyGuard | None = None  # CURVE's ZAP handler, multi-node with keys
+        self._plans: list[zmq.Socket] = []
+        self._results: zmq.Socket | None = None
+
+    def open(self) -> None:
+        config, ctx = self.config, self._context
+        max_frame_bytes = sockets.max_frame_bytes(config)
+        # Step channels are tcp:// on the master address when the worker ranks span nodes, CURVE
+        # with --transport-keys: the ZAP handler runs before the first bind.
+        if self._guard is None:
+            self._guard = sockets.guard_step_channels(ctx, config)
+        self._plans = [sockets.bind_channel(ctx, zmq.PUSH, config, sockets.plan_channel(rank), self._guard)
+                       for rank in range(config.tensor_parallel_size)]
+        self._results = sockets.bind_channel(ctx, zmq.PULL, config, sockets.RESULTS, self._guard, max_frame_bytes)
+
+    def reopen(self) -> None:
+        """Fresh plan and result sockets for a new group: nothing queued for or sent by the lost
+        group can reach the new one."""
+        self._close_sockets()
+        self.open()
+
+    def close(self) -> None:
+        if self._guard is not None:
+            self._guard.stop()  # first: its thread's socket lives in the context the loop destroys
+            self._guard = None
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (*self._plans, self._results):
+            if sock is not None:
+                sock.close(linger=0)
+        self._plans, self._results = [], None
+
+    def gather(self, while_waiting: Callable[[], None]) -> tuple[int | None, str]:
+        """(min over ranks of the reported KV blocks, "") once every rank of one group newer than
+        the last is ready; (None, why) on timeout or too few blocks; (None, "") when told to exit."""
+        num_ranks, timeout_s = self.config.tensor_parallel_size, self.config.ready_timeout_s
+        deadline = time.monotonic() + timeout_s
+        blocks_by_rank: dict[int, int] = {}
+        generation = self.generation + 1  # the lowest one that may serve next
+        while len(blocks_by_rank) < num_ranks and not self._should_exit():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            while_waiting()
+            # Only WorkerReady is expected now: a StepResult here is counted as a protocol error.
+            ready = self._reader.decode(sockets.recv_ready(self._results, min(remaining_s, POLL_SLICE_S)),
+                                        WorkerReady)
+            if ready is None:
+                continue
+            if not 0 <= ready.rank < num_ranks:
+                self._reader.count_bad(f"unexpected {ready!r:.120} while waiting for workers")
+                continue
+            if ready.generation < generation:  # a rank of the lost group (or an older one)
+                self._reader.count_bad(f"ignored worker rank {ready.rank} (pid {ready.pid}) of worker group "
+                                       f"{ready.generation}: waiting for group {generation} or later")
+                continue
+            if ready.generation > generation:  # a later group replaced the one being gathered
+                generation, blocks_by_rank = ready.generation, {}
+            logger.info("worker rank %d (pid %d) ready with %d KV blocks", ready.rank, ready.pid,
+                        ready.num_kv_blocks)
+            blocks_by_rank[ready.rank] = ready.num_kv_blocks
+            self.pids[ready.rank] = ready.pid
+        if self._should_exit():
+            return None, ""
+        missing = [rank for rank in range(num_ranks) if rank not in blocks_by_rank]
+        if missing:
+            num_refused = self._guard.num_refused if self._guard else 0
+            refused = (f"; {num_refused} peers were refused for a CURVE key that is not this "
+                       "deployment's (--transport-keys)" if num_refused else "")
+            return None, f"worker ranks {missing} did not report ready within {timeout_s} s{refused}"
+        self.generation = generation
+        num_kv_blocks = min(blocks_by_rank.values())
+        if num_kv_blocks < 1:
+            return None, f"workers reported {blocks_by_rank} KV blocks by rank; need at least 1"
+        return num_kv_blocks, ""
+
+    def send_plan(self, frame: bytes, deadline: float) -> int | None:
+        """The same encoded plan to every rank; the first rank that did not take it, else None."""
+        for rank, sock in enumerate(self._plans):
+            if not send_frame(sock, frame, deadline, lambda: self._should_exit() or bool(self.dead_ranks([rank]))):
+                return rank
+        return None
+
+    def dead_ranks(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` whose process on this node is gone (remote ranks count as alive: only
+        their silence tells)."""
+        local = set(range(self.config.workers_per_node))  # node 0 runs ranks 0..workers_per_node-1
+        return [rank for rank in ranks if rank in local and rank in self.pids
+                and not process_alive(self.pids[rank])]
+
+    def await_result(self, step_id: int, deadline: float,
+                     while_waiting: Callable[[], None]) -> tuple[StepResult | None, list[int]]:
+        """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
+        Another rank's error fails the step as rank 0's own would."""
+        num_ranks = self.config.tensor_parallel_size
+        answers: dict[int, StepResult] = {}
+        poller = zmq.Poller()
+        poller.register(self._results, zmq.POLLIN)
+        dead: list[int] = []
+        while len(answers) < num_ranks and not self._should_exit():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            while_waiting()
+            if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
+                # Any rank gone, even one that answered (with its collective's error), lost the group.
+                dead = self.dead_ranks(list(range(num_ranks)))
+                if dead:
+                    break
+                continue
+            # Only StepResult is expected now: a WorkerReady here is counted as a protocol error.
+            result = self._reader.decode(self._results.recv(), StepResult)
+            if result is None:
+                continue
+            if result.step_id == step_id and result.rank < num_ranks:
+                answers[result.rank] = result
+            else:
+                self._reader.count_bad(f"discarded a result for step {result.step_id} from rank {result.rank} "
+                                       f"while waiting for {step_id}")
+        if len(answers) < num_ranks:
+            return None, [rank for rank in range(num_ranks) if rank not in answers or rank in dead]
+        failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
+        if failed is not None and failed.rank != 0:
+            return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []
+        return answers[0], []
+
+
+def process_alive(pid: int) -> bool:
+    """False once the process has exited (a zombie its parent has not reaped yet included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
