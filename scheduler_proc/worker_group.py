@@ -1,5 +1,7 @@
 """The scheduler's link to its worker group: the step channels (a plan socket per rank, one results
-socket), gathering a new group's WorkerReady, and each step's answers from every rank."""
+socket), gathering a new group's WorkerReady, and each step's answers from every rank. Also the
+two frame helpers the loop's own sockets share with these: FrameReader (decode, count what is
+dropped) and send_frame (send within a deadline)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ where the worker has it) and memory GB/s (reading a large tensor; a copy's read 
 reported beside it). Then steps of the real ModelRunner (a prefill chunk, decode steps at each
 batch size), every call timed into one category by exclusive wall time (tools.stopwatch): linears,
 LM head, attention, norms, rope, activations (silu * up), embedding, layer glue (views, splits, the
-Python between layers), plan building, sampler, runner glue. Each compute category is set against its floor at the
-measured peak (the larger of FLOPs / peak FLOP/s and bytes read / GB/s). The scheduler's side of a
-step (schedule, codec, the IPC round trip, update) comes from scheduler_proc.tools.bench_overhead at the
-same batch size, run as its own process.
+Python between layers), plan building, sampler, runner glue. Each compute category is set
+against its floor at the measured peak (the larger of FLOPs / peak FLOP/s and bytes read / GB/s).
+The scheduler's side of a step (schedule, codec, the IPC round trip, update) comes from
+scheduler_proc.tools.bench_overhead at the same batch size, run as its own process.
 """
 
 from __future__ import annotations
