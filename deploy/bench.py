@@ -2,7 +2,7 @@
 
     conveyor bench --base-url http://127.0.0.1:8000 --num-prompts 256 --request-rate 4 --result-dir out
     conveyor bench sweep --max-num-seqs 1,4,16,64 --request-rate 4     (launches conveyor itself)
-    conveyor bench recovery --trials 3       (launches conveyor, SIGKILLs its worker mid-stream)
+    conveyor bench recovery --trials 3       (launches conveyor, SIGKILLs or SIGSTOPs its worker mid-stream)
     conveyor bench recovery --process frontend   (SIGKILLs its frontend, times /health back to 200)
 
 Flags follow `vllm bench serve` where they apply. The summary prints as JSON; with --result-dir
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sweep", help="launch conveyor at each --max-num-seqs and find the knee",
         description=bench_sweep.__doc__.splitlines()[0]))
     bench_recovery.add_arguments(modes.add_parser(
-        "recovery", help="launch conveyor, SIGKILL its worker mid-stream (or its frontend), time the pause",
+        "recovery", help="launch conveyor, kill or stop its worker or scheduler mid-stream (or kill its frontend), time the pause",
         description=bench_recovery.__doc__.splitlines()[0]))
 
 

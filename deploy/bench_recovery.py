@@ -1,11 +1,12 @@
-"""`conveyor bench recovery`: how long a stream pauses when its worker is SIGKILLed, and of what.
+"""`conveyor bench recovery`: how long a stream pauses when its worker or scheduler dies or hangs.
 
     conveyor bench recovery --trials 3 --kill-after-tokens 30
 
 It launches conveyor (deploy.launcher.Stack, with the supervisor's watch that replaces lost
 workers, as `conveyor serve` runs it), streams one greedy request per trial and SIGKILLs the worker
 group's rank 0 when the stream has delivered --kill-after-tokens tokens. Per trial it reports the
-pause from the kill to the next token, split into the time until the new group serves (GET /health
+pause from the kill to the next token (the one after the stream's longest gap: tokens computed
+before the kill may still arrive first), split into the time until the new group serves (GET /health
 is 200 again: the supervisor noticed, the worker started, loaded the weights and reported its KV
 cache) and the rest (recomputing the prompt and the tokens already generated, then the next decode),
 next to the stream's median inter-token latency.
@@ -24,11 +25,27 @@ SIGKILLs the frontend instead, with no request in flight, and reports per trial 
 kill until GET /health answers 200 again (the supervisor noticed within its 0.2 s watch poll,
 started a new frontend on the same port, which loaded the tokenizer, said hello to the scheduler
 and reported ready).
+
+    conveyor bench recovery --fault hang --step-timeout 10 --trials 3
+    conveyor bench recovery --process scheduler --fault hang --trials 3
+
+SIGSTOPs the process instead of killing it: it stays, silent, and must be found hung. A stopped
+worker is found by the scheduler when the step outlives --step-timeout; a stopped scheduler by the
+frontend, once it has heard nothing (no step, no heartbeat) for 10 s. Per trial, beside the times
+above: the pause until GET /health turned 503 (for a worker, once the step timed out; for a
+scheduler, after 5 s of silence, before the frontend reports it at 10 s).
+
+    conveyor bench recovery --url http://127.0.0.1:8000 --pid 4242
+
+Launches nothing: one trial against a server already running, the fault going to the process
+--pid (of the kind --process names) on this machine, such as a rank of node 1 when two "nodes"
+run on one machine (docs/multi-node.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -36,7 +53,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -56,10 +73,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=EngineConfig().dtype)
     parser.add_argument("--process", choices=("worker", "scheduler", "frontend"), default="worker",
                         help="the process to SIGKILL once per trial")
-    parser.add_argument("--trials", type=int, default=3, help="trials, one kill each")
+    parser.add_argument("--fault", choices=("kill", "hang"), default="kill",
+                        help="kill: SIGKILL; hang: SIGSTOP (worker or scheduler), so that it must be found hung")
+    parser.add_argument("--step-timeout", type=float, default=EngineConfig().step_timeout_s,
+                        help="seconds a step may take before its ranks count as hung (as serve's --step-timeout)")
+    parser.add_argument("--trials", type=int, default=3, help="trials, one fault each")
     parser.add_argument("--kill-after-tokens", type=int, default=30, help="tokens streamed before the kill")
     parser.add_argument("--max-tokens", type=int, default=120, help="tokens per stream (ignore_eos)")
     parser.add_argument("--port", type=int, default=0, help="server port (0 = any free port)")
+    parser.add_argument("--url", default=None,
+                        help="time a server that is already running instead (a multi-node deployment's node 0): "
+                             "launch nothing, fault the process --pid, one trial")
+    parser.add_argument("--pid", type=int, default=0,
+                        help="with --url: the process on this machine to kill or stop, of the kind --process names")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,18 +93,54 @@ def run(args: argparse.Namespace) -> int:
         print(f"conveyor bench recovery: need 0 < --kill-after-tokens ({args.kill_after_tokens}) < "
               f"--max-tokens ({args.max_tokens}) and --trials >= 1", file=sys.stderr)
         return 2
+    if args.fault == "hang" and args.process == "frontend":
+        print("conveyor bench recovery: --fault hang takes --process worker or scheduler (a frontend is "
+              "watched for hangs only while it starts)", file=sys.stderr)
+        return 2
+    if args.url:
+        return _attached(args)
     try:
         config = _config(args)
         with Stack(config) as stack, _watched(stack):
             if args.process == "frontend":
                 trials = [_frontend_trial(stack) for _ in range(args.trials)]
             else:
-                trials = [_trial(stack, stack.config.served_model_name, args) for _ in range(args.trials)]
+                victim = functools.partial(_pid_of, stack, args.process)
+                trials = [_trial(stack.url, stack.config.served_model_name, victim, args)
+                          for _ in range(args.trials)]
     except (ModelError, StartupError, OSError, RuntimeError) as exc:
         print(f"conveyor bench recovery: {exc}", file=sys.stderr)
         return 1
-    key = "kill_to_health_200_s" if args.process == "frontend" else "kill_to_next_token_s"
-    summary = {"model": config.model, "dtype": config.dtype, "process": args.process, "trials": trials,
+    return _report(args, config.model, config.dtype, config.step_timeout_s, trials)
+
+
+def _pid_of(stack: Stack, process: str) -> int:
+    """The scheduler's pid, or the worker group's rank 0's (as it is now: replacements get new ones)."""
+    module = "scheduler_proc" if process == "scheduler" else "worker_proc"
+    return next(child.process.pid for child in stack.children if child.module == module)
+
+
+def _attached(args: argparse.Namespace) -> int:
+    """One trial against the server at --url, the fault going to process --pid."""
+    if not args.pid or args.trials != 1 or args.process == "frontend":
+        print("conveyor bench recovery: --url takes --pid (the worker or scheduler to fault), --trials 1 "
+              "and --process worker or scheduler", file=sys.stderr)
+        return 2
+    try:
+        model = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        dtype = httpx.get(f"{args.url}/version", timeout=10).json()["dtype"]
+        trials = [_trial(args.url, model, lambda: args.pid, args)]
+    except (httpx.HTTPError, OSError, RuntimeError, KeyError, IndexError) as exc:
+        print(f"conveyor bench recovery: {exc}", file=sys.stderr)
+        return 1
+    return _report(args, model, dtype, None, trials)
+
+
+def _report(args: argparse.Namespace, model: str, dtype: str, step_timeout_s: float | None,
+            trials: list[dict]) -> int:
+    key = "kill_to_health_200_s" if args.process == "frontend" else f"{args.fault}_to_next_token_s"
+    summary = {"model": model, "dtype": dtype, "process": args.process, "fault": args.fault,
+               "step_timeout_s": step_timeout_s, "trials": trials,
                f"{key}_median": statistics.median(t[key] for t in trials), "command": " ".join(sys.argv)}
     print(json.dumps(summary, indent=2))
     return 0
@@ -89,7 +151,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     info = read_model_info(model_dir)
     # The launcher resolves max_model_len, vocab_size and the served name from the model.
     return EngineConfig(model=str(model_dir), dtype=args.dtype, eos_token_ids=info.eos_token_ids,
-                        port=args.port or free_port(), log_level="warning",
+                        port=args.port or free_port(), log_level="warning", step_timeout_s=args.step_timeout,
                         max_restarts=max(EngineConfig().max_restarts, args.trials))
 
 
@@ -106,12 +168,13 @@ def _watched(stack: Stack) -> Iterator[None]:
         thread.join(timeout=30)
 
 
-def _trial(stack: Stack, model: str, args: argparse.Namespace) -> dict:
+def _trial(url: str, model: str, victim: Callable[[], int], args: argparse.Namespace) -> dict:
+    """One greedy stream; at --kill-after-tokens the fault goes to process victim()."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     stamps: list[float] = []  # when each chunk that carries text arrived
-    killed_at, serving_at, finish_reason = 0.0, [0.0], None
-    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=600) as response:
+    fault_at, finish_reason, watch = 0.0, None, _Watch(url, args.process)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -121,18 +184,28 @@ def _trial(stack: Stack, model: str, args: argparse.Namespace) -> dict:
                 continue
             stamps.append(time.monotonic())
             if len(stamps) == args.kill_after_tokens:
-                killed_at = _kill(stack, args.process)
-                watch = _await_resubmitted if args.process == "scheduler" else _await_serving
-                threading.Thread(target=watch, args=(stack.url, serving_at), daemon=True).start()
-    if finish_reason != "length" or not killed_at:
+                watch.start()  # reads the restart counter before the fault
+                os.kill(victim(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+                fault_at = time.monotonic()
+    watch.join(timeout=30)  # the stream is over: the server answered again long ago
+    if finish_reason != "length" or not fault_at:
         raise RuntimeError(f"the stream ended with finish_reason {finish_reason!r} after {len(stamps)} "
-                           f"chunks (killed: {bool(killed_at)})")
-    next_token = min(t for t in stamps if t > killed_at)
-    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if not a <= killed_at < b]
+                           f"chunks (fault injected: {bool(fault_at)})")
+    # The pause is the longest gap after the fault: tokens computed before it may still arrive first.
+    pairs = [(a, b) for a, b in zip(stamps, stamps[1:]) if b > fault_at]
+    _, next_token = max(pairs, key=lambda pair: pair[1] - max(pair[0], fault_at))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b != next_token]
     serving = "resubmitted" if args.process == "scheduler" else "serving"
-    return {"kill_to_next_token_s": round(next_token - killed_at, 3),
-            f"kill_to_{serving}_s": round(serving_at[0] - killed_at, 3) if serving_at[0] else None,
-            f"{serving}_to_next_token_s": round(next_token - serving_at[0], 3) if serving_at[0] else None,
+    serving_at = watch.resubmitted_at if args.process == "scheduler" else watch.serving_at
+
+    def since_fault(at: float) -> float | None:
+        return round(at - fault_at, 3) if at else None
+
+    fault = args.fault  # kill_to_... or hang_to_...
+    return {f"{fault}_to_next_token_s": round(next_token - fault_at, 3),
+            f"{fault}_to_unhealthy_s": since_fault(watch.unhealthy_at), "unhealthy_status": watch.unhealthy_status,
+            f"{fault}_to_{serving}_s": since_fault(serving_at),
+            f"{serving}_to_next_token_s": round(next_token - serving_at, 3) if serving_at else None,
             "median_itl_s": round(statistics.median(gaps), 4)}
 
 
@@ -154,27 +227,42 @@ def _frontend_trial(stack: Stack) -> dict:
     raise RuntimeError("the frontend did not come back within 300 s")
 
 
-def _kill(stack: Stack, process: str) -> float:
-    """SIGKILL the scheduler, or the worker group's rank 0."""
-    module = "scheduler_proc" if process == "scheduler" else "worker_proc"
-    victim = next(child for child in stack.children if child.module == module)
-    os.kill(victim.process.pid, signal.SIGKILL)
-    return time.monotonic()
+class _Watch(threading.Thread):
+    """Polls the server every 50 ms from just before the fault: when GET /health first turned
+    non-200 (`unhealthy_at`) and 200 again after that (`serving_at`: the new group serves), and for
+    a scheduler fault when the frontend counted one more replaced scheduler (`resubmitted_at`: it
+    resubmits at that moment)."""
 
+    def __init__(self, url: str, process: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.process = url, process
+        self.unhealthy_at = self.serving_at = self.resubmitted_at = 0.0
+        self.unhealthy_status = ""  # what /health said first when it turned non-200
+        self._restarts_before = 0.0
 
-def _await_resubmitted(url: str, resubmitted_at: list[float]) -> None:
-    """Record when the frontend counts one more replaced scheduler (it resubmits at that moment;
-    started right after the kill, long before the new scheduler can have spoken)."""
-    before = _scheduler_restarts(httpx.get(f"{url}/metrics", timeout=5).text)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if _scheduler_restarts(httpx.get(f"{url}/metrics", timeout=5).text) > before:
-                resubmitted_at[0] = time.monotonic()
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
+    def start(self) -> None:
+        if self.process == "scheduler":
+            self._restarts_before = _scheduler_restarts(httpx.get(f"{self.url}/metrics", timeout=5).text)
+        super().start()
+
+    def run(self) -> None:
+        deadline, done = time.monotonic() + 300, False
+        while time.monotonic() < deadline and not done:
+            try:
+                if self.process == "scheduler" and not self.resubmitted_at and \
+                        _scheduler_restarts(httpx.get(f"{self.url}/metrics", timeout=5).text) > self._restarts_before:
+                    self.resubmitted_at = time.monotonic()
+                response = httpx.get(f"{self.url}/health", timeout=5)
+                status, said = response.status_code, response.json().get("status", "")
+            except (httpx.HTTPError, ValueError):
+                status, said = 0, "no answer"
+            if status != 200 and not self.unhealthy_at:
+                self.unhealthy_at, self.unhealthy_status = time.monotonic(), said
+            elif status == 200 and self.unhealthy_at and not self.serving_at:
+                self.serving_at = time.monotonic()
+            # A replaced scheduler may come back before /health noticed it was gone.
+            done = bool(self.resubmitted_at and status == 200) if self.process == "scheduler" else bool(self.serving_at)
+            time.sleep(0.05)
 
 
 def _scheduler_restarts(metrics_text: str) -> float:
@@ -183,18 +271,3 @@ def _scheduler_restarts(metrics_text: str) -> float:
         if line.startswith("conveyor:process_restarts_total{") and 'process="scheduler"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def _await_serving(url: str, serving_at: list[float]) -> None:
-    """Record when /health turns 200 again after having been 503 (the new group serves)."""
-    seen_down, deadline = False, time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            status = httpx.get(f"{url}/health", timeout=5).status_code
-        except httpx.HTTPError:
-            status = 0
-        seen_down = seen_down or status != 200
-        if seen_down and status == 200:
-            serving_at[0] = time.monotonic()
-            return
-        time.sleep(0.05)

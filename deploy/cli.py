@@ -91,6 +91,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s,
                         help="seconds a worker may take for one step before it counts as hung and "
                              "its group is replaced")
+    parser.add_argument("--stall-timeout", type=float, default=defaults.stall_timeout_s,
+                        help="seconds a step may run before GET /health answers 503 'stalled' (until it "
+                             "ends, or its group is replaced at --step-timeout)")
     parser.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                         help="worker group replacements allowed within --restart-window; one more "
                              "fault stops the stack")
@@ -120,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
         api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
+        stall_timeout_s=args.stall_timeout,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         **placement_fields(args, info))

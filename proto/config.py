@@ -57,6 +57,9 @@ class EngineConfig:
     api_key: str = ""
     ready_timeout_s: float = 120.0
     step_timeout_s: float = 120.0
+    # A step running longer than this turns /health 503 ("stalled") until it ends; the ranks are
+    # replaced only at step_timeout_s. Above the longest legitimate step, well below the timeout.
+    stall_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
     # A worker group that dies or hangs is replaced and its requests recomputed, at most
     # max_restarts times within restart_window_s; one more fault stops the stack.
@@ -104,6 +107,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got "
                                   f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
+        for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValidationError(f"{name} must be > 0 seconds, got {getattr(self, name)}", name)
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size",
                      "long_prefill_token_threshold", "max_restarts"):
             if getattr(self, name) < 0:

@@ -236,12 +236,13 @@ class SchedulerLoop:
             self._fault.fire(plan.step_id)
         # Encoded once, the same bytes to every rank; a rank of another group refuses it.
         frame = codec.encode(dataclasses.replace(plan, generation=self._workers.generation))
-        deadline = time.monotonic() + self.config.step_timeout_s
+        started_s = time.monotonic()
+        deadline = started_s + self.config.step_timeout_s
         refused = self._workers.send_plan(frame, deadline)
         if refused is not None:
             return self._lost_step(f"worker rank {refused} did not take the plan of step {plan.step_id}",
                                    [refused])
-        result, silent = self._workers.await_result(plan.step_id, deadline, self._step_heartbeat)
+        result, silent = self._workers.await_result(plan.step_id, started_s, deadline, self._step_heartbeat)
         if result is None:
             ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
             return self._lost_step(f"worker {ranks} did not answer step {plan.step_id}", silent)
@@ -278,9 +279,9 @@ class SchedulerLoop:
         logger.info("a new worker group serves (restart %d)", self.num_worker_restarts)
         return self.engine.heartbeat()
 
-    def _step_heartbeat(self) -> None:
-        if self._heartbeat_due():  # a long step is not a hung scheduler
-            self._send_outputs(self.engine.progress_heartbeat(), wait=False)
+    def _step_heartbeat(self, running_s: float) -> None:  # a long step is not a hung scheduler
+        if self._heartbeat_due():  # it says how long the step has run (/health: 'stalled' past --stall-timeout)
+            self._send_outputs(self.engine.progress_heartbeat(running_s), wait=False)
 
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""

@@ -164,20 +164,29 @@ class WorkerGroup:
         return [rank for rank in ranks if rank in local and rank in self.pids
                 and not process_alive(self.pids[rank])]
 
-    def await_result(self, step_id: int, deadline: float,
-                     while_waiting: Callable[[], None]) -> tuple[StepResult | None, list[int]]:
+    def await_result(self, step_id: int, started_s: float, deadline: float,
+                     while_waiting: Callable[[float], None]) -> tuple[StepResult | None, list[int]]:
         """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
-        Another rank's error fails the step as rank 0's own would."""
-        num_ranks = self.config.tensor_parallel_size
+        Another rank's error fails the step as rank 0's own would. while_waiting(seconds the step
+        has run) is called every poll slice; a step past --stall-timeout is logged."""
+        num_ranks, stall_s = self.config.tensor_parallel_size, self.config.stall_timeout_s
         answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
         dead: list[int] = []
+        stalled = False
         while len(answers) < num_ranks and not self._should_exit():
-            remaining_s = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining_s = deadline - now
             if remaining_s <= 0:
                 break
-            while_waiting()
+            if now - started_s >= stall_s and not stalled:
+                stalled = True
+                logger.warning("step %d: worker ranks %s have not answered for %.0f s (--stall-timeout): "
+                               "/health reports a stall; the group is replaced at --step-timeout (%g s)",
+                               step_id, [rank for rank in range(num_ranks) if rank not in answers],
+                               now - started_s, self.config.step_timeout_s)
+            while_waiting(now - started_s)
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
                 # Any rank gone, even one that answered (with its collective's error), lost the group.
                 dead = self.dead_ranks(list(range(num_ranks)))
@@ -195,6 +204,9 @@ class WorkerGroup:
                                        f"while waiting for {step_id}")
         if len(answers) < num_ranks:
             return None, [rank for rank in range(num_ranks) if rank not in answers or rank in dead]
+        if stalled:
+            logger.warning("step %d took %.1f s; /health no longer reports a stall", step_id,
+                           time.monotonic() - started_s)
         failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
         if failed is not None and failed.rank != 0:
             return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []

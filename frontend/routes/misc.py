@@ -30,8 +30,9 @@ async def list_models(request: Request) -> dict:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 only while the scheduler makes progress: a step or an idle heartbeat was RECEIVED within
-    the engine client's alive timeout (our clock). A hung or dead scheduler, a frontend that has
-    not heard from it yet, or a draining one: 503."""
+    the engine client's alive timeout (our clock) and no step has run past --stall-timeout. A hung
+    or dead scheduler, hung workers, a frontend that has not heard from it yet, or a draining one:
+    503."""
     state = get_state(request)
     if state.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
@@ -43,6 +44,10 @@ async def health(request: Request) -> JSONResponse:
     stats = state.engine.latest_stats  # None from an engine alive before any message (the tests' fake)
     if stats is not None and not stats.workers_serving:  # a lost worker group is being replaced
         return JSONResponse({"status": "recovering"}, status_code=503)
+    if stats is not None and stats.step_running_s >= state.config.stall_timeout_s:  # hung workers, or
+        # a step longer than --stall-timeout allows; replaced at --step-timeout if it never ends
+        return JSONResponse({"status": "stalled", "step_running_s": round(stats.step_running_s, 1)},
+                            status_code=503)
     return JSONResponse({"status": "ok"})
 
 
