@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         with Stack(config) as stack, _watched(stack):
+            config = stack.config  # with the dtype resolved
             if args.process == "frontend":
                 trials = [_frontend_trial(stack) for _ in range(args.trials)]
             else:

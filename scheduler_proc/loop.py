@@ -244,8 +244,7 @@ class SchedulerLoop:
                                    [refused])
         result, silent = self._workers.await_result(plan.step_id, started_s, deadline, self._step_heartbeat)
         if result is None:
-            ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
-            return self._lost_step(f"worker {ranks} did not answer step {plan.step_id}", silent)
+            return self._lost_step(f"worker {_ranks(silent)} did not answer step {plan.step_id}", silent)
         return self.engine.apply_result(result)
 
     def _lost_step(self, what: str, silent: list[int]) -> StepOutputs:
@@ -257,8 +256,8 @@ class SchedulerLoop:
             return self.engine.fail_running("the scheduler is shutting down")
         dead = self._workers.dead_ranks(silent)
         hung = [rank for rank in silent if rank not in dead]
-        cause = f"{what}: {'died' if dead else 'no answer'}" + (
-            f" within {self.config.step_timeout_s} s (--step-timeout)" if hung else "")
+        cause = f"{what}: {_ranks(dead)} died" if dead else \
+            f"{what}: no answer within {self.config.step_timeout_s} s (--step-timeout)"
         logger.error("%s; requeueing %d running requests and waiting for a new worker group", cause,
                      len(self.engine.queues.running))
         self._workers_serving = False
@@ -299,3 +298,7 @@ class SchedulerLoop:
             self._last_sent_s = time.monotonic()
         elif outputs.num_outputs and not self._frontend.exited():
             logger.error("the frontend did not take outputs for %s; they are lost", outputs.request_ids)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
