@@ -179,7 +179,11 @@ class Stack(Replacements):
 
     def _reported_failure(self, wait_s: float) -> str:
         """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''.
-        A RestartWorkers (the scheduler naming hung ranks) kills those ranks here."""
+        A RestartWorkers (the scheduler naming hung ranks) kills those ranks here. A message on the
+        supervisors' group channel ends the wait too (a lost rank on another node is handled at once)."""
+        if self._group is not None:
+            self._group.wait_readable(self._control, wait_s)
+            wait_s = 0.0
         frame = sockets.recv_ready(self._control, wait_s)
         message = None if frame is None else self.decode_control(frame)
         if isinstance(message, RestartWorkers):

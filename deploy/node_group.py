@@ -100,6 +100,13 @@ class GroupChannel:
         return (f"node 0's supervisor has been silent for {silent_s:.0f} s (it repeats the worker group "
                 f"every {ANNOUNCE_INTERVAL_S:.0f} s): it is gone, so this node's ranks cannot serve")
 
+    def wait_readable(self, other: zmq.Socket, timeout_s: float) -> None:
+        """Block up to timeout_s until this channel or `other` has a frame (never busy-waits)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(other, zmq.POLLIN)
+        poller.poll(int(timeout_s * 1000))
+
     def close(self) -> None:
         self._sock.close(linger=0)
         if self._guard is not None:
