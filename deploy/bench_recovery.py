@@ -26,16 +26,17 @@ kill until GET /health answers 200 again (the supervisor noticed within its 0.2 
 started a new frontend on the same port, which loaded the tokenizer, said hello to the scheduler
 and reported ready).
 
-    conveyor bench recovery --fault hang --step-timeout 10 --trials 3
+    conveyor bench recovery --fault hang --step-timeout 30 --trials 3
     conveyor bench recovery --process scheduler --fault hang --trials 3
 
 SIGSTOPs the process instead of killing it: it stays, silent, and must be found hung. A stopped
 worker is found by the scheduler when the step outlives --step-timeout; a stopped scheduler by the
 frontend, once it has heard nothing (no step, no heartbeat) for 10 s. Per trial, beside the times
-above: the pause until GET /health turned 503 (for a worker, once the step timed out; for a
-scheduler, after 5 s of silence, before the frontend reports it at 10 s).
+above: the pause until GET /health turned 503, and what it said (for a worker, `stalled` once the
+step has run for --stall-timeout; for a scheduler, `engine_unavailable` after 5 s of silence,
+before the frontend reports it at 10 s).
 
-    conveyor bench recovery --url http://127.0.0.1:8000 --pid 4242
+    conveyor bench recovery --url http://127.0.0.1:8000 --pid 4242 [--fault hang]
 
 Launches nothing: one trial against a server already running, the fault going to the process
 --pid (of the kind --process names) on this machine, such as a rank of node 1 when two "nodes"
@@ -45,6 +46,7 @@ run on one machine (docs/multi-node.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -72,13 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model directory or cached id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=EngineConfig().dtype)
     parser.add_argument("--process", choices=("worker", "scheduler", "frontend"), default="worker",
-                        help="the process to SIGKILL once per trial")
+                        help="the process to fault once per trial")
     parser.add_argument("--fault", choices=("kill", "hang"), default="kill",
                         help="kill: SIGKILL; hang: SIGSTOP (worker or scheduler), so that it must be found hung")
     parser.add_argument("--step-timeout", type=float, default=EngineConfig().step_timeout_s,
                         help="seconds a step may take before its ranks count as hung (as serve's --step-timeout)")
-    parser.add_argument("--trials", type=int, default=3, help="trials, one fault each")
-    parser.add_argument("--kill-after-tokens", type=int, default=30, help="tokens streamed before the kill")
+    parser.add_argument("--stall-timeout", type=float, default=EngineConfig().stall_timeout_s,
+                        help="seconds a step may run before /health says 'stalled' (as serve's --stall-timeout)")
+    parser.add_argument("--trials", type=int, default=None, help="trials, one fault each (3; 1 with --url)")
+    parser.add_argument("--kill-after-tokens", type=int, default=30,
+                        help="text chunks (a token each, mostly) streamed before the fault")
     parser.add_argument("--max-tokens", type=int, default=120, help="tokens per stream (ignore_eos)")
     parser.add_argument("--port", type=int, default=0, help="server port (0 = any free port)")
     parser.add_argument("--url", default=None,
@@ -89,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trials is None:
+        args.trials = 1 if args.url else 3
     if not 0 < args.kill_after_tokens < args.max_tokens or args.trials < 1:
         print(f"conveyor bench recovery: need 0 < --kill-after-tokens ({args.kill_after_tokens}) < "
               f"--max-tokens ({args.max_tokens}) and --trials >= 1", file=sys.stderr)
@@ -109,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
                 victim = functools.partial(_pid_of, stack, args.process)
                 trials = [_trial(stack.url, stack.config.served_model_name, victim, args)
                           for _ in range(args.trials)]
-    except (ModelError, StartupError, OSError, RuntimeError) as exc:
+    except (ModelError, StartupError, OSError, RuntimeError, httpx.HTTPError) as exc:
         print(f"conveyor bench recovery: {exc}", file=sys.stderr)
         return 1
-    return _report(args, config.model, config.dtype, config.step_timeout_s, trials)
+    return _report(args, config.model, config.dtype, config, trials)
 
 
 def _pid_of(stack: Stack, process: str) -> int:
@@ -134,14 +141,15 @@ def _attached(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, OSError, RuntimeError, KeyError, IndexError) as exc:
         print(f"conveyor bench recovery: {exc}", file=sys.stderr)
         return 1
-    return _report(args, model, dtype, None, trials)
+    return _report(args, model, dtype, None, trials)  # the server's own timeouts apply
 
 
-def _report(args: argparse.Namespace, model: str, dtype: str, step_timeout_s: float | None,
+def _report(args: argparse.Namespace, model: str, dtype: str, config: EngineConfig | None,
             trials: list[dict]) -> int:
     key = "kill_to_health_200_s" if args.process == "frontend" else f"{args.fault}_to_next_token_s"
     summary = {"model": model, "dtype": dtype, "process": args.process, "fault": args.fault,
-               "step_timeout_s": step_timeout_s, "trials": trials,
+               "step_timeout_s": config and config.step_timeout_s,
+               "stall_timeout_s": config and config.stall_timeout_s, "trials": trials,
                f"{key}_median": statistics.median(t[key] for t in trials), "command": " ".join(sys.argv)}
     print(json.dumps(summary, indent=2))
     return 0
@@ -153,6 +161,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     # The launcher resolves max_model_len, vocab_size and the served name from the model.
     return EngineConfig(model=str(model_dir), dtype=args.dtype, eos_token_ids=info.eos_token_ids,
                         port=args.port or free_port(), log_level="warning", step_timeout_s=args.step_timeout,
+                        stall_timeout_s=args.stall_timeout,
                         max_restarts=max(EngineConfig().max_restarts, args.trials))
 
 
@@ -174,21 +183,29 @@ def _trial(url: str, model: str, victim: Callable[[], int], args: argparse.Names
     body = {"model": model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     stamps: list[float] = []  # when each chunk that carries text arrived
-    fault_at, finish_reason, watch = 0.0, None, _Watch(url, args.process)
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
-            finish_reason = choice["finish_reason"] or finish_reason
-            if not choice["text"]:
-                continue
-            stamps.append(time.monotonic())
-            if len(stamps) == args.kill_after_tokens:
-                watch.start()  # reads the restart counter before the fault
-                os.kill(victim(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
-                fault_at = time.monotonic()
-    watch.join(timeout=30)  # the stream is over: the server answered again long ago
+    fault_at, finish_reason, watch, pid = 0.0, None, _Watch(url, args.process), 0
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                finish_reason = choice["finish_reason"] or finish_reason
+                if not choice["text"]:
+                    continue
+                stamps.append(time.monotonic())
+                if len(stamps) == args.kill_after_tokens:
+                    watch.read_baseline()
+                    watch.start()
+                    pid = victim()
+                    os.kill(pid, signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+                    fault_at = time.monotonic()
+        watch.join(timeout=30)  # the stream is over: the server answered again long ago
+    finally:
+        watch.stop.set()
+        if pid and args.fault == "hang":  # a stopped process nobody replaced must not stay stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     if finish_reason != "length" or not fault_at:
         raise RuntimeError(f"the stream ended with finish_reason {finish_reason!r} after {len(stamps)} "
                            f"chunks (fault injected: {bool(fault_at)})")
@@ -232,43 +249,55 @@ class _Watch(threading.Thread):
     """Polls the server every 50 ms from just before the fault: when GET /health first turned
     non-200 (`unhealthy_at`) and 200 again after that (`serving_at`: the new group serves), and for
     a scheduler fault when the frontend counted one more replaced scheduler (`resubmitted_at`: it
-    resubmits at that moment)."""
+    resubmits at that moment). Each is stamped when the request that saw it was sent."""
 
     def __init__(self, url: str, process: str) -> None:
         super().__init__(daemon=True)
         self.url, self.process = url, process
         self.unhealthy_at = self.serving_at = self.resubmitted_at = 0.0
         self.unhealthy_status = ""  # what /health said first when it turned non-200
+        self.stop = threading.Event()
         self._restarts_before = 0.0
 
-    def start(self) -> None:
+    def read_baseline(self) -> None:
+        """Before the fault: how many replaced schedulers the frontend has counted so far."""
         if self.process == "scheduler":
-            self._restarts_before = _scheduler_restarts(httpx.get(f"{self.url}/metrics", timeout=5).text)
-        super().start()
+            self._restarts_before = self._scheduler_restarts()
+            if self._restarts_before < 0:
+                raise RuntimeError(f"{self.url}/metrics does not answer before the fault")
 
     def run(self) -> None:
         deadline, done = time.monotonic() + 300, False
-        while time.monotonic() < deadline and not done:
-            try:
-                if self.process == "scheduler" and not self.resubmitted_at and \
-                        _scheduler_restarts(httpx.get(f"{self.url}/metrics", timeout=5).text) > self._restarts_before:
-                    self.resubmitted_at = time.monotonic()
-                response = httpx.get(f"{self.url}/health", timeout=5)
-                status, said = response.status_code, response.json().get("status", "")
-            except (httpx.HTTPError, ValueError):
-                status, said = 0, "no answer"
+        while not done and not self.stop.is_set() and time.monotonic() < deadline:
+            asked_at = time.monotonic()
+            if self.process == "scheduler" and not self.resubmitted_at and \
+                    self._scheduler_restarts() > self._restarts_before:
+                self.resubmitted_at = asked_at
+            asked_at = time.monotonic()
+            status, said = self._health()
             if status != 200 and not self.unhealthy_at:
-                self.unhealthy_at, self.unhealthy_status = time.monotonic(), said
+                self.unhealthy_at, self.unhealthy_status = asked_at, said
             elif status == 200 and self.unhealthy_at and not self.serving_at:
-                self.serving_at = time.monotonic()
+                self.serving_at = asked_at
             # A replaced scheduler may come back before /health noticed it was gone.
             done = bool(self.resubmitted_at and status == 200) if self.process == "scheduler" else bool(self.serving_at)
-            time.sleep(0.05)
+            self.stop.wait(0.05)
 
+    def _health(self) -> tuple[int, str]:
+        try:
+            response = httpx.get(f"{self.url}/health", timeout=5)
+            return response.status_code, response.json().get("status", "")
+        except (httpx.HTTPError, ValueError):
+            return 0, "no answer"
 
-def _scheduler_restarts(metrics_text: str) -> float:
-    """The value of conveyor:process_restarts_total{process="scheduler"} (0 when absent)."""
-    for line in metrics_text.splitlines():
-        if line.startswith("conveyor:process_restarts_total{") and 'process="scheduler"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    def _scheduler_restarts(self) -> float:
+        """conveyor:process_restarts_total{process="scheduler"}: 0 when absent, -1 when /metrics
+        does not answer."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return -1.0
+        for line in text.splitlines():
+            if line.startswith("conveyor:process_restarts_total{") and 'process="scheduler"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0

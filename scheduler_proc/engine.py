@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np

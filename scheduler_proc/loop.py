@@ -20,7 +20,8 @@ from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFail
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault
 from scheduler_proc.frontend_watch import FrontendWatch
-from scheduler_proc.worker_group import POLL_SLICE_S, FrameReader, WorkerGroup, process_alive, send_frame
+from scheduler_proc.worker_group import (POLL_SLICE_S, FrameReader, WorkerGroup, process_alive, ranks_text,
+                                         send_frame)
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ class SchedulerLoop:
                                    [refused])
         result, silent = self._workers.await_result(plan.step_id, started_s, deadline, self._step_heartbeat)
         if result is None:
-            return self._lost_step(f"worker {_ranks(silent)} did not answer step {plan.step_id}", silent)
+            return self._lost_step(f"worker {ranks_text(silent)} did not answer step {plan.step_id}", silent)
         return self.engine.apply_result(result)
 
     def _lost_step(self, what: str, silent: list[int]) -> StepOutputs:
@@ -256,7 +257,7 @@ class SchedulerLoop:
             return self.engine.fail_running("the scheduler is shutting down")
         dead = self._workers.dead_ranks(silent)
         hung = [rank for rank in silent if rank not in dead]
-        cause = f"{what}: {_ranks(dead)} died" if dead else \
+        cause = f"{what}: {ranks_text(dead)} died" if dead else \
             f"{what}: no answer within {self.config.step_timeout_s} s (--step-timeout)"
         logger.error("%s; requeueing %d running requests and waiting for a new worker group", cause,
                      len(self.engine.queues.running))
@@ -278,9 +279,10 @@ class SchedulerLoop:
         logger.info("a new worker group serves (restart %d)", self.num_worker_restarts)
         return self.engine.heartbeat()
 
-    def _step_heartbeat(self, running_s: float) -> None:  # a long step is not a hung scheduler
-        if self._heartbeat_due():  # it says how long the step has run (/health: 'stalled' past --stall-timeout)
-            self._send_outputs(self.engine.progress_heartbeat(running_s), wait=False)
+    def _step_heartbeat(self, step_running_s: float) -> None:
+        # A long step is not a hung scheduler; the frontend tells a hung worker by the step's age.
+        if self._heartbeat_due():
+            self._send_outputs(self.engine.progress_heartbeat(step_running_s), wait=False)
 
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
@@ -298,7 +300,3 @@ class SchedulerLoop:
             self._last_sent_s = time.monotonic()
         elif outputs.num_outputs and not self._frontend.exited():
             logger.error("the frontend did not take outputs for %s; they are lost", outputs.request_ids)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

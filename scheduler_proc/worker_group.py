@@ -182,10 +182,8 @@ class WorkerGroup:
                 break
             if now - started_s >= stall_s and not stalled:
                 stalled = True
-                logger.warning("step %d: worker ranks %s have not answered for %.0f s (--stall-timeout): "
-                               "/health reports a stall; the group is replaced at --step-timeout (%g s)",
-                               step_id, [rank for rank in range(num_ranks) if rank not in answers],
-                               now - started_s, self.config.step_timeout_s)
+                self._log_stall(step_id, [rank for rank in range(num_ranks) if rank not in answers],
+                                now - started_s)
             while_waiting(now - started_s)
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
                 # Any rank gone, even one that answered (with its collective's error), lost the group.
@@ -211,6 +209,19 @@ class WorkerGroup:
         if failed is not None and failed.rank != 0:
             return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []
         return answers[0], []
+
+    def _log_stall(self, step_id: int, silent: list[int], running_s: float) -> None:
+        """Once per step past --stall-timeout: /health now says 'stalled' (the heartbeats carry the
+        step's running time), and an operator can see which ranks are late before the timeout."""
+        logger.warning("step %d: worker %s not answered for %.0f s (--stall-timeout): /health reports "
+                       "a stall; the group is replaced at --step-timeout (%g s)", step_id,
+                       f"{ranks_text(silent)} {'have' if len(silent) > 1 else 'has'}", running_s,
+                       self.config.step_timeout_s)
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2'."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def process_alive(pid: int) -> bool:

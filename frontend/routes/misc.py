@@ -44,8 +44,8 @@ async def health(request: Request) -> JSONResponse:
     stats = state.engine.latest_stats  # None from an engine alive before any message (the tests' fake)
     if stats is not None and not stats.workers_serving:  # a lost worker group is being replaced
         return JSONResponse({"status": "recovering"}, status_code=503)
-    if stats is not None and stats.step_running_s >= state.config.stall_timeout_s:  # hung workers, or
-        # a step longer than --stall-timeout allows; replaced at --step-timeout if it never ends
+    # Hung workers, or a step longer than --stall-timeout allows (replaced at --step-timeout).
+    if stats is not None and stats.step_running_s >= state.config.stall_timeout_s:
         return JSONResponse({"status": "stalled", "step_running_s": round(stats.step_running_s, 1)},
                             status_code=503)
     return JSONResponse({"status": "ok"})
