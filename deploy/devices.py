@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from deploy.allocator import allocator_env, find_tcmalloc
 from deploy.cpu_isa import torch_isa_env
 from proto.config import EngineConfig
 from proto.errors import ValidationError
@@ -44,12 +45,14 @@ def check_devices(config: EngineConfig, gpus: list[str]) -> None:
 def worker_env(config: EngineConfig, local_rank: int, gpus: list[str]) -> dict[str, str]:
     """Environment overrides for one worker: CUDA_VISIBLE_DEVICES = its one GPU (so it is
     cuda:0 inside); on a CPU node, torch's ISA cap when --cpu-isa / CONVEYOR_CPU_ISA sets one
-    (the worker splits the cores itself), and torch's CPU allocator asked for transparent huge
+    (the worker splits the cores itself), torch's CPU allocator asked for transparent huge
     pages (THP_MEM_ALLOC_ENABLE, unless the environment sets it): the KV cache and the weights
     then span 2 MiB pages, and the kernels streaming them stop missing the TLB and restarting the
-    hardware prefetcher every 4 KiB (docs/benchmarks.md "Huge pages")."""
+    hardware prefetcher every 4 KiB (docs/benchmarks.md "Huge pages"); and tcmalloc preloaded
+    when CONVEYOR_MALLOC asks for it (deploy/allocator.py)."""
     if not gpus:
         return {**torch_isa_env(config.cpu_isa),
-                "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
+                "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
+                **allocator_env(dict(os.environ), find_tcmalloc())}
     index = config.devices[local_rank] if config.devices else local_rank
     return {"CUDA_VISIBLE_DEVICES": gpus[index]}

@@ -68,5 +68,15 @@ def bind_worker(config: EngineConfig, rank: int) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    log.info("rank %d on %s, CPU cores %s, %d threads", rank, device, share, torch.get_num_threads())
+    log.info("rank %d on %s, CPU cores %s, %d threads, %s", rank, device, share, torch.get_num_threads(),
+             "tcmalloc" if _tcmalloc_loaded() else "glibc's malloc")
     return device
+
+
+def _tcmalloc_loaded() -> bool:
+    """Whether the supervisor's LD_PRELOAD of tcmalloc took (deploy/allocator.py)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "tcmalloc" in maps.read()
+    except OSError:
+        return False

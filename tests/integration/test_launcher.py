@@ -12,6 +12,7 @@ import httpx
 import pytest
 from support import children_of, free_port, process_alive, tiny_config
 
+from deploy.allocator import find_tcmalloc
 from deploy.launcher import Stack, StartupError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,3 +76,23 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
     assert str(tiny_model_dir) in output  # the model directory is logged at start-up
     assert not any(process_alive(pid) for pid in children)
 
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="no libtcmalloc on this machine")
+def test_conveyor_malloc_tcmalloc_is_preloaded_into_the_cpu_workers_only(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_MALLOC", "tcmalloc")
+    with Stack(tiny_config(tiny_model_dir)) as stack:
+        for child in stack.children:
+            with open(f"/proc/{child.process.pid}/maps") as maps:
+                assert ("tcmalloc" in maps.read()) == (child.module == "worker_proc"), child.name
+        assert httpx.post(f"{stack.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4},
+                          timeout=60).status_code == 200
+
+
+def test_a_bad_conveyor_malloc_stops_start_up_with_the_reason(tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_MALLOC", "jemalloc")
+    with pytest.raises(StartupError, match="CONVEYOR_MALLOC must be one of"):
+        with Stack(tiny_config(tiny_model_dir)):
+            pass
