@@ -22,9 +22,8 @@ and its workers had started and the scheduler had sent its first message).
     conveyor bench recovery --process frontend --trials 5
 
 SIGKILLs the frontend instead, with no request in flight, and reports per trial the time from the
-kill until GET /health answers 200 again (the supervisor noticed within its 0.2 s watch poll,
-started a new frontend on the same port, which loaded the tokenizer, said hello to the scheduler
-and reported ready).
+kill until GET /health answers 200 again (the supervisor noticed the exit, started a new frontend
+on the same port, which loaded the tokenizer, said hello to the scheduler and reported ready).
 
     conveyor bench recovery --fault hang --step-timeout 30 --trials 3
     conveyor bench recovery --process scheduler --fault hang --trials 3

@@ -31,7 +31,7 @@ from deploy.devices import check_devices, visible_gpus, worker_env
 from deploy.model_info import ModelError, needs_model_facts, read_model_info, resolve_model_facts
 from deploy.node_group import GroupChannel
 from deploy.placement import check_transport
-from deploy.children import Child, StartupError
+from deploy.children import Child, ExitWatch, StartupError
 from deploy.replacement import Replacements
 from deploy.restarts import RestartBudget
 from proto import codec, sockets
@@ -59,6 +59,7 @@ class Stack(Replacements):
         self._ready_deadlines: dict[str, float] = {}  # restarted child -> when it must be ready
         self.num_frontend_restarts = 0  # handed to each new frontend for its process_restarts_total
         self._group: GroupChannel | None = None  # the supervisors' channel when nnodes > 1
+        self._exits = ExitWatch()
 
     @property
     def url(self) -> str:
@@ -183,12 +184,14 @@ class Stack(Replacements):
 
     def _reported_failure(self, wait_s: float) -> str:
         """A ProcessFailed that arrives on the control channel within wait_s, as text; else ''.
-        A RestartWorkers (the scheduler naming hung ranks) kills those ranks here. A message on the
-        supervisors' group channel ends the wait too (a lost rank on another node is handled at once)."""
-        if self._group is not None:
-            self._group.wait_readable(self._control, wait_s)
-            wait_s = 0.0
-        frame = sockets.recv_ready(self._control, wait_s)
+        A RestartWorkers (the scheduler naming hung ranks) kills those ranks here. A child's exit
+        and a message on the supervisors' group channel end the wait too, so that a lost process
+        here or a lost rank on another node is handled at once."""
+        poller = zmq.Poller()
+        for readable in [self._control, *self._group_sockets(), *self._exits.fds(self.children)]:
+            poller.register(readable, zmq.POLLIN)
+        poller.poll(int(wait_s * 1000))
+        frame = sockets.recv_ready(self._control, 0.0)
         message = None if frame is None else self.decode_control(frame)
         if isinstance(message, RestartWorkers):
             self._kill_ranks(message.ranks.tolist(), message.reason)
@@ -198,6 +201,9 @@ class Stack(Replacements):
             self._ready_deadlines.pop(message.name, None)
             log.info("%s ready (pid %d) %s", message.name, message.pid, message.detail)
         return f"{message.name} reported: {message.message}" if isinstance(message, ProcessFailed) else ""
+
+    def _group_sockets(self) -> list[zmq.Socket]:
+        return [] if self._group is None else [self._group.socket]
 
     def decode_control(self, frame: bytes) -> ProcessReady | ProcessFailed | None:
         """A control frame's message; a malformed one (or another channel's) is logged, counted, None."""
@@ -222,6 +228,7 @@ class Stack(Replacements):
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()
+        self._exits.close()
         if self._group is not None:
             self._group.close()  # before the context: its ZAP thread owns a socket there
             self._group = None

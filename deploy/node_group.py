@@ -100,12 +100,10 @@ class GroupChannel:
         return (f"node 0's supervisor has been silent for {silent_s:.0f} s (it repeats the worker group "
                 f"every {ANNOUNCE_INTERVAL_S:.0f} s): it is gone, so this node's ranks cannot serve")
 
-    def wait_readable(self, other: zmq.Socket, timeout_s: float) -> None:
-        """Block up to timeout_s until this channel or `other` has a frame (never busy-waits)."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(other, zmq.POLLIN)
-        poller.poll(int(timeout_s * 1000))
+    @property
+    def socket(self) -> zmq.Socket:
+        """For the supervisor's wait: readable when a message has arrived."""
+        return self._sock
 
     def close(self) -> None:
         self._sock.close(linger=0)
