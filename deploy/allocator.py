@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes.util
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 from proto.errors import ValidationError
@@ -34,16 +35,21 @@ def find_tcmalloc(library_dirs: tuple[str, ...] = LIBRARY_DIRS) -> str | None:
     return None
 
 
-def allocator_env(environ: dict[str, str], tcmalloc: str | None) -> dict[str, str]:
-    """LD_PRELOAD for a CPU worker, given CONVEYOR_MALLOC and the tcmalloc found (or None). An
+def allocator_env(environ: dict[str, str],
+                  find: Callable[[], str | None] = find_tcmalloc) -> dict[str, str]:
+    """LD_PRELOAD for a CPU worker, given CONVEYOR_MALLOC; find() (the tcmalloc installed, or None)
+    runs only when it asks for tcmalloc, so the default start-up reads no library cache. An
     LD_PRELOAD of the caller's own is kept as it is."""
     choice = environ.get("CONVEYOR_MALLOC", "system")
     if choice not in CHOICES:
         raise ValidationError(f"CONVEYOR_MALLOC must be one of {CHOICES}, got {choice!r}", "CONVEYOR_MALLOC")
+    if choice == "system":
+        return {}
+    tcmalloc = find()
     if choice == "tcmalloc" and tcmalloc is None:
         raise ValidationError("CONVEYOR_MALLOC=tcmalloc, but no libtcmalloc is installed (Debian and "
                               "Ubuntu: apt install libtcmalloc-minimal4); unset it for glibc's malloc",
                               "CONVEYOR_MALLOC")
-    if choice == "system" or tcmalloc is None or environ.get("LD_PRELOAD"):
+    if tcmalloc is None or environ.get("LD_PRELOAD"):
         return {}
     return {"LD_PRELOAD": tcmalloc}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from deploy.allocator import allocator_env, find_tcmalloc
+from deploy.allocator import allocator_env
 from deploy.cpu_isa import torch_isa_env
 from proto.config import EngineConfig
 from proto.errors import ValidationError
@@ -53,6 +53,6 @@ def worker_env(config: EngineConfig, local_rank: int, gpus: list[str]) -> dict[s
     if not gpus:
         return {**torch_isa_env(config.cpu_isa),
                 "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
-                **allocator_env(dict(os.environ), find_tcmalloc())}
+                **allocator_env(dict(os.environ))}
     index = config.devices[local_rank] if config.devices else local_rank
     return {"CUDA_VISIBLE_DEVICES": gpus[index]}

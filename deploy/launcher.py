@@ -25,7 +25,7 @@ from typing import IO
 
 import zmq
 
-from deploy.allocator import allocator_env, find_tcmalloc
+from deploy.allocator import allocator_env
 from deploy.cpu_isa import resolve_dtype
 from deploy.devices import check_devices, visible_gpus, worker_env
 from deploy.model_info import ModelError, needs_model_facts, read_model_info, resolve_model_facts
@@ -84,7 +84,7 @@ class Stack(Replacements):
             if needs_model_facts(self.config):  # not from `conveyor serve`
                 self.config = resolve_model_facts(self.config, read_model_info(Path(self.config.model)))
             self.config = resolve_dtype(self.config, bool(gpus), os.environ)
-            malloc = allocator_env(dict(os.environ), find_tcmalloc()).get("LD_PRELOAD", "glibc's malloc")
+            malloc = allocator_env(dict(os.environ)).get("LD_PRELOAD", "glibc's malloc")
         except (ModelError, ValidationError) as exc:
             raise StartupError(str(exc)) from exc
         log.info("dtype %s: %s", self.config.dtype, self.config.dtype_reason)

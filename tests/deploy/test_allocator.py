@@ -25,14 +25,14 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     ({"CONVEYOR_MALLOC": "auto", "LD_PRELOAD": "/opt/my.so"}, TCMALLOC, {}),  # the caller's own stays
 ])
 def test_the_decision_table(environ: dict[str, str], found: str | None, expected: dict[str, str]) -> None:
-    assert allocator_env(environ, found) == expected
+    assert allocator_env(environ, lambda: found) == expected
 
 
 def test_a_required_tcmalloc_that_is_missing_and_a_bad_value_are_refused() -> None:
     with pytest.raises(ValidationError, match="no libtcmalloc is installed.*libtcmalloc-minimal4"):
-        allocator_env({"CONVEYOR_MALLOC": "tcmalloc"}, None)
+        allocator_env({"CONVEYOR_MALLOC": "tcmalloc"}, lambda: None)
     with pytest.raises(ValidationError, match=r"CONVEYOR_MALLOC must be one of .*got 'jemalloc'"):
-        allocator_env({"CONVEYOR_MALLOC": "jemalloc"}, TCMALLOC)
+        allocator_env({"CONVEYOR_MALLOC": "jemalloc"}, lambda: TCMALLOC)
 
 
 def test_find_tcmalloc_returns_the_path_of_the_soname_ldconfig_knows(tmp_path: Path,
@@ -53,3 +53,10 @@ def test_cpu_workers_get_it_when_asked_and_gpu_workers_never(monkeypatch: pytest
     cpu = worker_env(EngineConfig(), 0, [])
     assert cpu.get("LD_PRELOAD") == find_tcmalloc()  # None where this machine has no tcmalloc
     assert "LD_PRELOAD" not in worker_env(EngineConfig(), 0, ["0"])
+
+
+def test_the_default_does_not_look_for_tcmalloc() -> None:
+    def find() -> str | None:
+        raise AssertionError("the default start-up looked for tcmalloc")
+
+    assert allocator_env({}, find) == {} and allocator_env({"CONVEYOR_MALLOC": "system"}, find) == {}
