@@ -1,64 +1,28 @@
-/* AVX2 + FMA paged attention, fp32 and bf16 KV: 8 fp32 lanes. AVX2 has no bf16 arithmetic, so
- * bf16 rows are widened to fp32 as they are loaded (a shift: bf16 is the top half of an fp32) and
- * both dtypes share one code shape. A tile of 8 K rows is read once for the KV head's whole GQA
- * group (bf16 tiles widened once into a small fp32 buffer); each row's q.k gives 8 partial sums and
- * the tile's 8 vectors are reduced together by two hadd levels and one cross-lane add. Probabilities
- * are rounded to bf16 before p.v on bf16 models, as the torch reference rounds them. Consecutive
- * queries of one member (a prefill chunk's) are attended as a block: every K tile then serves each
- * query head of every query in the block while it is in L1, and the V rows read for the block's
- * first query are still in L2 for the others, so the block reads its member's K and V from memory
- * once instead of once per query. A lone query (a decode) asks for each next block of its K and V
- * rows while it works on the current one: every block is a separate run of memory, where the
- * hardware prefetcher would start over. */
+/* AVX2 + FMA paged attention for one query (a decode), fp32 and bf16 KV: 8 fp32 lanes (shared
+ * helpers: avx2_lanes.h; blocks of a prefill chunk's queries: attend_avx2_blocks.c). A tile of 8 K
+ * rows is read once for the KV head's whole GQA group (bf16 tiles widened once into a small fp32
+ * buffer); each row's q.k gives 8 partial sums and the tile's 8 vectors are reduced together by two
+ * hadd levels and one cross-lane add. Probabilities are rounded to bf16 before p.v on bf16 models,
+ * as the torch reference rounds them. The query asks for each next block of its K and V rows while
+ * it works on the current one: every block is a separate run of memory, where the hardware
+ * prefetcher would start over. */
 #include "paged_attention.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #include <math.h>
 
-#define LANES 8       /* fp32 lanes; also positions per q.k tile */
+#include "avx2_lanes.h"
+
 #define MAX_CHUNKS 16 /* 8-element chunks per head row (head_dim <= 128) */
 #define PV_GROUP 4    /* query heads per p.v pass */
 #define PV_REGISTERS 12 /* p.v accumulators kept live */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE __m256 load8(const char *p, const int BF16) {  /* 8 elements as fp32 */
-    if (!BF16) return _mm256_loadu_ps((const float *)p);
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-ALWAYS_INLINE __m256 round_to_bf16(__m256 x) {  /* nearest even; finite inputs */
-    __m256i bits = _mm256_castps_si256(x);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-    return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
-}
-ALWAYS_INLINE void store8(char *p, __m256 x, const int BF16) {
-    if (!BF16) { _mm256_storeu_ps((float *)p, x); return; }
-    __m256i halves = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16(x)), 16);
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
-    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
-}
 /* v[i] holds 8 partial sums of position i; returns lane i = their sum. */
 ALWAYS_INLINE __m256 reduce_tile(const __m256 v[LANES]) {
     __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
     __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
     __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  /* lane halves: 0-3 | 4-7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-ALWAYS_INLINE __m256 exp256(__m256 x) {  /* e^x for x <= 0: Cephes polynomial, exponent by shift */
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                               1.6666665459e-1f, 5.0000001201e-1f};
-    __m256 p = _mm256_set1_ps(c[0]);
-    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
 ALWAYS_INLINE __m256 valid_lanes(int start, int n) {  /* all-ones in lanes start + i < n */
     __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -76,11 +40,10 @@ ALWAYS_INLINE void prefetch_next_block(const Args *a, const int32_t *table, int 
     for (int offset = 0; offset < a->block_size * row_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
-/* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's
- * max over its own positions [0, n_of[g]) (n_of[g] <= n). */
+/* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's max. */
 ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *keys, int n, int stride,
-                             const __m256 *query, const int *n_of, float *scores, float *top, int prefetch,
-                             const int G, const int C, const int BF16) {
+                             const __m256 *query, float *scores, float *top, const int G, const int C,
+                             const int BF16) {
     const int dim = LANES * C, bytes = BF16 ? 2 : 4;
     float widened[LANES][LANES * MAX_CHUNKS];
     __m256 max[MAX_GROUP];
@@ -88,7 +51,7 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
         const float *k[LANES];
-        if (prefetch) prefetch_next_block(a, table, start, n, keys, dim * bytes);
+        prefetch_next_block(a, table, start, n, keys, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES; i++) {
             k[i] = (const float *)(keys + rows[i] * bytes);
@@ -106,10 +69,7 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
                 v[i] = acc;
             }
             __m256 s = reduce_tile(v);  /* lanes past n repeat position n - 1: a real score */
-            if (n_of[g] == n) max[g] = _mm256_max_ps(max[g], s);
-            else if (start < n_of[g])  /* a shorter row of the block: its later positions do not count */
-                max[g] = _mm256_max_ps(max[g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s,
-                                                                valid_lanes(start, n_of[g])));
+            max[g] = _mm256_max_ps(max[g], s);
             _mm256_storeu_ps(scores + g * stride + start, s);
         }
     }
@@ -120,28 +80,23 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
         for (int i = 1; i < LANES; i++) top[g] = lanes[i] > top[g] ? lanes[i] : top[g];
     }
 }
-/* scores -> unnormalised probabilities in place (zero past row g's n_of[g], bf16-rounded on bf16);
- * their sums. */
-ALWAYS_INLINE void softmax_numerators(float *scores, const int *n_of, int stride, const float *top,
-                                      float *total, const int G, const int BF16) {
+/* scores -> unnormalised probabilities in place (zero past n, bf16-rounded on bf16); their sums. */
+ALWAYS_INLINE void softmax_numerators(float *scores, int n, int stride, const float *top, float *total,
+                                      const int G, const int BF16) {
     for (int g = 0; g < G; g++) {
         __m256 max = _mm256_set1_ps(top[g]), sum = _mm256_setzero_ps();
-        const int n = n_of[g];
         for (int start = 0; start < n; start += LANES) {
             float *s = scores + g * stride + start;
             __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s), max)), valid_lanes(start, n));
             sum = _mm256_add_ps(sum, e);
             _mm256_storeu_ps(s, BF16 ? round_to_bf16(e) : e);
         }
-        float lanes[LANES];
-        _mm256_storeu_ps(lanes, sum);
-        total[g] = 0.0f;
-        for (int i = 0; i < LANES; i++) total[g] += lanes[i];
+        total[g] = sum_lanes(sum);
     }
 }
 /* out rows of G heads, chunks [c0, c0 + CB): sum_p probs[p] * V[p] / total */
 ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *values, int n, int stride,
-                              const float *probs, const float *total, char *out_row, int prefetch,
+                              const float *probs, const float *total, char *out_row,
                               const int G, const int C, const int c0, const int CB, const int BF16) {
     const int dim = LANES * C, bytes = BF16 ? 2 : 4;
     __m256 acc[PV_GROUP][MAX_CHUNKS];
@@ -149,7 +104,7 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *v
         for (int c = 0; c < CB; c++) acc[g][c] = _mm256_setzero_ps();
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
-        if (prefetch && c0 == 0) prefetch_next_block(a, table, start, n, values, dim * bytes);
+        if (c0 == 0) prefetch_next_block(a, table, start, n, values, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES && start + i < n; i++) {
             __m256 weight[PV_GROUP];
@@ -167,85 +122,52 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *v
     }
 }
 ALWAYS_INLINE void pv_heads(const Args *a, const int32_t *table, const char *values, int n, int stride,
-                            const float *probs, const float *total, char *out_row, int prefetch,
+                            const float *probs, const float *total, char *out_row,
                             const int G, const int C, const int BF16) {
     const int CB = G * C <= PV_REGISTERS ? C : G * (C / 2) <= PV_REGISTERS ? C / 2
                    : G * (C / 4) <= PV_REGISTERS ? C / 4 : G * (C / 8) <= PV_REGISTERS ? C / 8 : 1;
     for (int c0 = 0; c0 < C; c0 += CB)
-        pv_columns(a, table, values, n, stride, probs, total, out_row, prefetch, G, C, c0, CB, BF16);
+        pv_columns(a, table, values, n, stride, probs, total, out_row, G, C, c0, CB, BF16);
 }
-/* count consecutive queries of one member against one KV head: G query heads each, rows of C
- * 8-element chunks. */
-ALWAYS_INLINE void attend_block(const Args *a, int64_t first, int count, int kv_head, float *scores,
-                                const int C, const int BF16) {
-    const int G = a->num_heads / a->num_kv_heads, P = count * G, bytes = BF16 ? 2 : 4, dim = LANES * C;
-    int n_of[MAX_GROUP], n = 0;
-    for (int r = 0; r < P; r++) {
-        n_of[r] = a->context_lens[first + r / G];
-        n = n_of[r] > n ? n_of[r] : n;
-    }
-    const int stride = padded(n);
+/* One query against one KV head: G query heads, rows of C 8-element chunks. */
+ALWAYS_INLINE void attend_one(const Args *a, int64_t query, int kv_head, float *scores, const int C, const int BF16) {
+    const int G = a->num_heads / a->num_kv_heads, bytes = BF16 ? 2 : 4, dim = LANES * C;
+    const int n = a->context_lens[query], stride = padded(n);
     const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
-    const int32_t *table = table_of(a, first);
+    const int32_t *table = table_of(a, query);
     __m256 query_chunks[MAX_GROUP * MAX_CHUNKS];
     float top[MAX_GROUP], total[MAX_GROUP];
-    for (int r = 0; r < P; r++) {
-        const char *q = (const char *)a->q + ((first + r / G) * a->q_token_stride
-                                              + ((int64_t)kv_head * G + r % G) * dim) * bytes;
-        for (int c = 0; c < C; c++)
-            query_chunks[r * C + c] = _mm256_mul_ps(load8(q + LANES * c * bytes, BF16), _mm256_set1_ps(a->scale));
-    }
-    /* a lone query reads its member's K and V once, straight from memory: ask for each next block
-     * ahead; a block of queries finds them in L2, where prefetching only costs */
-    const int prefetch = count == 1;
-    qk_scores(a, table, keys, n, stride, query_chunks, n_of, scores, top, prefetch, P, C, BF16);
-    softmax_numerators(scores, n_of, stride, top, total, P, BF16);
-    for (int j = 0; j < count; j++) {
-        char *out = (char *)a->out + ((first + j) * a->num_heads + (int64_t)kv_head * G) * dim * bytes;
-        const int nj = n_of[j * G];
-        for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
-            int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
-            const float *p = scores + (j * G + g0) * stride;
-            const float *t = total + j * G + g0;
-            char *o = out + g0 * dim * bytes;
-            if (heads == 1) pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 1, C, BF16);
-            else if (heads == 2) pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 2, C, BF16);
-            else if (heads == 3) pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 3, C, BF16);
-            else pv_heads(a, table, values, nj, stride, p, t, o, prefetch, 4, C, BF16);
-        }
+    const char *q = (const char *)a->q + (query * a->q_token_stride + (int64_t)kv_head * G * dim) * bytes;
+    for (int r = 0; r < G * C; r++)
+        query_chunks[r] = _mm256_mul_ps(load8(q + LANES * r * bytes, BF16), _mm256_set1_ps(a->scale));
+    qk_scores(a, table, keys, n, stride, query_chunks, scores, top, G, C, BF16);
+    softmax_numerators(scores, n, stride, top, total, G, BF16);
+    char *out = (char *)a->out + (query * a->num_heads + (int64_t)kv_head * G) * dim * bytes;
+    for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
+        int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
+        const float *p = scores + g0 * stride;
+        char *o = out + g0 * dim * bytes;
+        if (heads == 1) pv_heads(a, table, values, n, stride, p, total + g0, o, 1, C, BF16);
+        else if (heads == 2) pv_heads(a, table, values, n, stride, p, total + g0, o, 2, C, BF16);
+        else if (heads == 3) pv_heads(a, table, values, n, stride, p, total + g0, o, 3, C, BF16);
+        else pv_heads(a, table, values, n, stride, p, total + g0, o, 4, C, BF16);
     }
 }
 #define VARIANT(C, B) \
-    static void attend_##B##_##C(const Args *a, int64_t m, int h, float *s) { attend_block(a, m, 1, h, s, C, B); } \
-    static void block_##B##_##C(const Args *a, int64_t m, int k, int h, float *s) { attend_block(a, m, k, h, s, C, B); }
+    static void attend_##B##_##C(const Args *a, int64_t m, int h, float *s) { attend_one(a, m, h, s, C, B); }
 VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0) VARIANT(16, 0)
 VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
 
-static int shape_index(int group, int head_dim) {  /* head_dim 16, 32, 64 or 128; else -1 */
-    if (group < 1 || group > MAX_GROUP) return -1;
-    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
-        if (head_dim == dim) return i;
-    return -1;
-}
-/* The kernel for this dtype and shape: one query per call. */
+/* The kernel for this dtype and shape (head_dim 16, 32, 64 or 128, group <= MAX_GROUP), or NULL. */
 Attend avx2_variant(int bf16, int group, int head_dim) {
     static const Attend variants[2][4] = {{attend_0_2, attend_0_4, attend_0_8, attend_0_16},
                                           {attend_1_2, attend_1_4, attend_1_8, attend_1_16}};
-    int i = shape_index(group, head_dim);
-    return i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
-}
-/* The same kernel for blocks of up to MAX_GROUP / group queries. */
-AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
-    static const AttendBlock variants[2][4] = {{block_0_2, block_0_4, block_0_8, block_0_16},
-                                               {block_1_2, block_1_4, block_1_8, block_1_16}};
-    int i = shape_index(group, head_dim);
-    return i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
+    if (group < 1 || group > MAX_GROUP) return NULL;
+    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
+        if (head_dim == dim) return variants[bf16 ? 1 : 0][i];
+    return NULL;
 }
 #else
 Attend avx2_variant(int bf16, int group, int head_dim) { (void)bf16, (void)group, (void)head_dim; return NULL; }
-AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
-    (void)bf16, (void)group, (void)head_dim;
-    return NULL;
-}
 #endif

@@ -12,7 +12,6 @@
 #include "paged_attention.h"
 
 #define MAX_THREADS 64
-#define QUERY_BLOCK 4  /* queries per block at most: a block's scores stay in L2 */
 
 enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEMORY = -4,
               BAD_MEMBER = -5, BAD_BLOCK = -6 };
@@ -105,7 +104,7 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     Attend attend;
     AttendBlock attend_block = path_for(bf16, group, head_dim, &attend) == AVX2
                                ? avx2_block_variant(bf16, group, head_dim) : NULL;
-    int per_block = attend_block == NULL ? 1 : MAX_GROUP / group < QUERY_BLOCK ? MAX_GROUP / group : QUERY_BLOCK;
+    int per_block = attend_block == NULL ? 1 : BLOCK_ROWS / group;
     int64_t *starts = malloc(((size_t)num_tokens + 1) * 2 * sizeof *starts);
     if (starts == NULL) return NO_MEMORY;
     int64_t *weights = starts + num_tokens + 1;
@@ -114,7 +113,8 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     num_threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
     if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
     split_items(&args, weights, items, num_threads, bounds);
-    size_t scores_bytes = (size_t)per_block * group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
+    size_t scores_bytes = (size_t)group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
+    if (attend_block != NULL && block_scratch_bytes(max_context) > scores_bytes) scores_bytes = block_scratch_bytes(max_context);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -127,7 +127,8 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
         for (int t = first; scores != NULL && t < num_threads; t += step)
             for (int64_t i = bounds[t]; i < bounds[t + 1]; i++) {
                 int64_t b = i / num_kv_heads, query = starts[b];
-                if (attend_block != NULL) attend_block(&args, query, (int)(starts[b + 1] - query), (int)(i % num_kv_heads), scores);
+                int count = (int)(starts[b + 1] - query);
+                if (count > 1) attend_block(&args, query, count, (int)(i % num_kv_heads), scores);
                 else attend(&args, query, (int)(i % num_kv_heads), scores);
             }
         free(scores);

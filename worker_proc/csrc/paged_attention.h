@@ -18,6 +18,8 @@
 
 #define TILE 16       /* positions per score tile; the scores buffer is padded to it */
 #define MAX_GROUP 16  /* vectorised paths: query heads per KV head */
+#define BLOCK_ROWS 24 /* block paths: queries x query heads per KV head */
+#define MAX_HEAD_DIM 128
 
 typedef struct {
     const void *q; int64_t q_token_stride; void *out; const void *k_cache, *v_cache; int64_t num_slots;
@@ -29,16 +31,20 @@ typedef struct {
 /* One (query, KV head) work item. scores: float [group][stride] then bf16 [group][stride], stride =
  * the query's context rounded up to TILE. */
 typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
-/* One (block of count consecutive queries of one member, KV head) work item: each K/V row is read
- * from memory once for the whole block rather than once per query (a prefill chunk's queries share
- * their prefix). scores: float [count * group][stride], stride = the block's longest context rounded
- * up to TILE. */
-typedef void (*AttendBlock)(const Args *, int64_t first_query, int count, int kv_head, float *scores);
+/* One (block of count consecutive queries of one member, KV head) work item, count * group <=
+ * BLOCK_ROWS: each K/V row is read from memory once for the whole block rather than once per query (a
+ * prefill chunk's queries share their prefix). scratch: block_scratch_bytes(the block's longest
+ * context). */
+typedef void (*AttendBlock)(const Args *, int64_t first_query, int count, int kv_head, float *scratch);
 
 /* The vectorised path for this dtype and shape on the ISA compiled for, or NULL. */
 Attend avx512_variant(int bf16, int group, int head_dim);
 Attend avx2_variant(int bf16, int group, int head_dim);
 AttendBlock avx2_block_variant(int bf16, int group, int head_dim);
+static inline size_t block_scratch_bytes(int max_context) {  /* scores, output rows, row offsets */
+    size_t positions = ((size_t)max_context + 11) / 12 * 12;  /* padded to every q.k tile's width */
+    return (positions * BLOCK_ROWS + BLOCK_ROWS * MAX_HEAD_DIM) * sizeof(float) + positions * sizeof(int64_t);
+}
 void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
 
 static inline float bf16_to_f32(uint16_t x) {

@@ -1,0 +1,185 @@
+/* AVX2 + FMA paged attention for a block of consecutive queries of one member (a prefill chunk's)
+ * against one KV head, fp32 and bf16 KV: the block's R rows (queries x GQA group, at most BLOCK_ROWS)
+ * are one small matmul each way, tiled in registers.
+ *   q.k  The rows are held transposed, [head_dim][R] (R rows in NV vectors of 8 lanes), and each
+ *        K element, broadcast, is multiplied into the R rows of PP positions at once: PP x NV
+ *        accumulators, no horizontal sums. Scores come out position-major, [position][R].
+ *   softmax  Runs down each position's row vector, so a row's max, numerators and sum are lane-wise;
+ *        a row's positions past its own context (its causal prefix) are masked out.
+ *   p.v  6 rows x 16 dims of the output per pass over a chunk of PV_POSITIONS positions, whose V
+ *        rows stay in L1 for every pass: 12 FMAs per two V loads and six broadcasts.
+ * Every K and V row is read from memory once for the whole block. Probabilities are rounded to bf16
+ * before p.v on bf16 models, as the torch reference rounds them. */
+#include "paged_attention.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <math.h>
+
+#include "avx2_lanes.h"
+
+#define MAX_VECTORS (BLOCK_ROWS / LANES)   /* 8-lane vectors per position's row of scores */
+#define MAX_POSITIONS 12                   /* q.k positions per register tile */
+#define PV_ROWS 6                          /* p.v rows per register tile (x 16 dims: 12 accumulators) */
+#define PV_POSITIONS 64                    /* p.v positions per chunk: 16 KB of fp32 V rows */
+
+/* Scaled scores of positions [0, npad) of NV * 8 rows: scores[p][NV * 8]. qt: [dim][NV * 8]. */
+ALWAYS_INLINE void block_scores(const char *keys, const int64_t *rows, int npad, const float *qt, float *scores,
+                                const int NV, const int PP, const int C, const int BF16) {
+    const int dim = LANES * C, width = LANES * NV;
+    float widened[MAX_POSITIONS][MAX_HEAD_DIM];
+    for (int start = 0; start < npad; start += PP) {
+        const float *k[MAX_POSITIONS];
+        for (int i = 0; i < PP; i++) {
+            if (!BF16) {
+                k[i] = (const float *)keys + rows[start + i];
+                continue;
+            }
+            for (int c = 0; c < C; c++)
+                _mm256_storeu_ps(widened[i] + LANES * c, load8(keys + (rows[start + i] + LANES * c) * 2, 1));
+            k[i] = widened[i];
+        }
+        __m256 acc[MAX_POSITIONS][MAX_VECTORS];
+        for (int i = 0; i < PP; i++)
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm256_setzero_ps();
+        for (int d = 0; d < dim; d++) {
+            __m256 column[MAX_VECTORS];
+            for (int v = 0; v < NV; v++) column[v] = _mm256_loadu_ps(qt + d * width + LANES * v);
+            for (int i = 0; i < PP; i++) {
+                __m256 key = _mm256_broadcast_ss(k[i] + d);
+                for (int v = 0; v < NV; v++) acc[i][v] = _mm256_fmadd_ps(key, column[v], acc[i][v]);
+            }
+        }
+        for (int i = 0; i < PP; i++)
+            for (int v = 0; v < NV; v++) _mm256_storeu_ps(scores + (start + i) * width + LANES * v, acc[i][v]);
+    }
+}
+/* scores -> unnormalised probabilities in place over positions [0, n): zero past row r's n_of[r]
+ * (every row sees its first n_min positions), bf16-rounded on bf16; each row's sum in total[r]. */
+ALWAYS_INLINE void block_softmax(float *scores, int n, int n_min, const int *n_of, float *total,
+                                 const int NV, const int BF16) {
+    const int width = LANES * NV;
+    __m256i limit[MAX_VECTORS];
+    __m256 top[MAX_VECTORS], sum[MAX_VECTORS];
+    for (int v = 0; v < NV; v++) {
+        limit[v] = _mm256_loadu_si256((const __m256i *)(n_of + LANES * v));
+        top[v] = _mm256_set1_ps(-INFINITY), sum[v] = _mm256_setzero_ps();
+    }
+    for (int p = 0; p < n; p++)
+        for (int v = 0; v < NV; v++) {
+            __m256 s = _mm256_loadu_ps(scores + p * width + LANES * v);
+            if (p >= n_min)
+                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s,
+                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit[v], _mm256_set1_epi32(p))));
+            top[v] = _mm256_max_ps(top[v], s);
+        }
+    for (int p = 0; p < n; p++)
+        for (int v = 0; v < NV; v++) {
+            float *s = scores + p * width + LANES * v;
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s), top[v]));
+            if (p >= n_min) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit[v], _mm256_set1_epi32(p))));
+            sum[v] = _mm256_add_ps(sum[v], e);
+            _mm256_storeu_ps(s, BF16 ? round_to_bf16(e) : e);
+        }
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(total + LANES * v, sum[v]);
+}
+/* out rows [r0, r0 + RG) (stride MAX_HEAD_DIM) += sum over positions [p0, p1) of probs[p][r] * V[p] */
+ALWAYS_INLINE void block_values(const char *values, const int64_t *rows, int p0, int p1, const float *probs,
+                                float *out, int r0, const int RG, const int NV, const int C, const int BF16) {
+    const int dim = LANES * C, width = LANES * NV, bytes = BF16 ? 2 : 4;
+    for (int d0 = 0; d0 < dim; d0 += 2 * LANES) {
+        __m256 acc[PV_ROWS][2];
+        for (int i = 0; i < RG; i++)
+            for (int j = 0; j < 2; j++) acc[i][j] = _mm256_loadu_ps(out + (r0 + i) * MAX_HEAD_DIM + d0 + LANES * j);
+        for (int p = p0; p < p1; p++) {
+            const char *v = values + (rows[p] + d0) * bytes;
+            __m256 low = load8(v, BF16), high = load8(v + LANES * bytes, BF16);
+            for (int i = 0; i < RG; i++) {
+                __m256 weight = _mm256_broadcast_ss(probs + p * width + r0 + i);
+                acc[i][0] = _mm256_fmadd_ps(weight, low, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(weight, high, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < RG; i++)
+            for (int j = 0; j < 2; j++) _mm256_storeu_ps(out + (r0 + i) * MAX_HEAD_DIM + d0 + LANES * j, acc[i][j]);
+    }
+}
+ALWAYS_INLINE void values_tile(const char *values, const int64_t *rows, int p0, int p1, const float *probs,
+                               float *out, int r0, int rg, const int NV, const int C, const int BF16) {
+    switch (rg) {
+    case 1: block_values(values, rows, p0, p1, probs, out, r0, 1, NV, C, BF16); break;
+    case 2: block_values(values, rows, p0, p1, probs, out, r0, 2, NV, C, BF16); break;
+    case 3: block_values(values, rows, p0, p1, probs, out, r0, 3, NV, C, BF16); break;
+    case 4: block_values(values, rows, p0, p1, probs, out, r0, 4, NV, C, BF16); break;
+    case 5: block_values(values, rows, p0, p1, probs, out, r0, 5, NV, C, BF16); break;
+    default: block_values(values, rows, p0, p1, probs, out, r0, PV_ROWS, NV, C, BF16);
+    }
+}
+/* count consecutive queries of one member against one KV head: R = count x group rows in NV vectors,
+ * rows of C 8-element chunks. scratch: block_scratch_bytes(the block's longest context). */
+ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_head, float *scratch,
+                               const int NV, const int C, const int BF16) {
+    const int G = a->num_heads / a->num_kv_heads, R = count * G, width = LANES * NV, dim = LANES * C;
+    const int bytes = BF16 ? 2 : 4, PP = NV == 1 ? 12 : NV == 2 ? 6 : 4;
+    int n = 1, n_min = a->context_lens[first], n_of[BLOCK_ROWS];
+    for (int j = 0; j < count; j++) {
+        int lens = a->context_lens[first + j];
+        n = lens > n ? lens : n, n_min = lens < n_min ? lens : n_min;
+    }
+    for (int r = 0; r < width; r++) n_of[r] = r < R ? a->context_lens[first + r / G] : n;
+    const int npad = (n + PP - 1) / PP * PP;
+    float *scores = scratch, *out = scores + (int64_t)npad * width, total[BLOCK_ROWS];
+    int64_t *rows = (int64_t *)(out + BLOCK_ROWS * MAX_HEAD_DIM);
+    const int32_t *table = table_of(a, first);
+    for (int p = 0, block = 0, offset = 0; p < npad; p++) {  /* past n: the last position again */
+        rows[p] = p < n ? ((int64_t)table[block] * a->block_size + offset) * dim : rows[n - 1];
+        if (++offset == a->block_size) offset = 0, block++;
+    }
+    const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
+    const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
+    float qt[MAX_HEAD_DIM * BLOCK_ROWS];
+    for (int r = 0; r < width; r++) {
+        int64_t q = (first + r / G) * a->q_token_stride + ((int64_t)kv_head * G + r % G) * dim;
+        for (int d = 0; d < dim; d++)
+            qt[d * width + r] = r >= R ? 0.0f : a->scale * (BF16 ? bf16_to_f32(((const uint16_t *)a->q)[q + d])
+                                                                 : ((const float *)a->q)[q + d]);
+    }
+    block_scores(keys, rows, npad, qt, scores, NV, PP, C, BF16);
+    block_softmax(scores, n, n_min, n_of, total, NV, BF16);
+    for (int r = 0; r < R; r++) memset(out + r * MAX_HEAD_DIM, 0, dim * sizeof *out);
+    for (int p0 = 0; p0 < n; p0 += PV_POSITIONS)
+        for (int r0 = 0; r0 < R; r0 += PV_ROWS) {
+            int p1 = p0 + PV_POSITIONS < n ? p0 + PV_POSITIONS : n, rg = R - r0 < PV_ROWS ? R - r0 : PV_ROWS;
+            values_tile(values, rows, p0, p1, scores, out, r0, rg, NV, C, BF16);
+        }
+    for (int r = 0; r < R; r++) {
+        char *o = (char *)a->out + (((first + r / G) * a->num_heads + (int64_t)kv_head * G + r % G) * dim) * bytes;
+        __m256 inverse = _mm256_set1_ps(1.0f / total[r]);
+        for (int c = 0; c < C; c++)
+            store8(o + LANES * c * bytes, _mm256_mul_ps(_mm256_loadu_ps(out + r * MAX_HEAD_DIM + LANES * c), inverse), BF16);
+    }
+}
+#define VARIANT(C, B) \
+    static void rows_##B##_##C(const Args *a, int64_t f, int k, int h, float *s) { \
+        int vectors = (k * (a->num_heads / a->num_kv_heads) + LANES - 1) / LANES; \
+        if (vectors == 1) attend_rows(a, f, k, h, s, 1, C, B); \
+        else if (vectors == 2) attend_rows(a, f, k, h, s, 2, C, B); \
+        else attend_rows(a, f, k, h, s, 3, C, B); \
+    }
+VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0) VARIANT(16, 0)
+VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
+
+/* The block kernel for this dtype and shape (blocks of at most BLOCK_ROWS / group queries), or NULL. */
+AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
+    static const AttendBlock variants[2][4] = {{rows_0_2, rows_0_4, rows_0_8, rows_0_16},
+                                               {rows_1_2, rows_1_4, rows_1_8, rows_1_16}};
+    if (group < 1 || 2 * group > BLOCK_ROWS) return NULL;  /* blocks of one query: the decode path */
+    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
+        if (head_dim == dim) return variants[bf16 ? 1 : 0][i];
+    return NULL;
+}
+#else
+AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
+    (void)bf16, (void)group, (void)head_dim;
+    return NULL;
+}
+#endif

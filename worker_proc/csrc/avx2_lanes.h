@@ -1,0 +1,51 @@
+/* AVX2 + FMA helpers shared by the AVX2 attention paths (attend_avx2.c: one query; attend_avx2_blocks.c:
+ * a block of a prefill chunk's queries): 8 fp32 lanes. AVX2 has no bf16 arithmetic, so bf16 rows are
+ * widened to fp32 as they are loaded (a shift: bf16 is the top half of an fp32). Include only where
+ * __AVX2__ and __FMA__ are defined. */
+#ifndef CONVEYOR_AVX2_LANES_H
+#define CONVEYOR_AVX2_LANES_H
+
+#include <immintrin.h>
+
+#define LANES 8       /* fp32 lanes */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE __m256 load8(const char *p, const int BF16) {  /* 8 elements as fp32 */
+    if (!BF16) return _mm256_loadu_ps((const float *)p);
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+ALWAYS_INLINE __m256 round_to_bf16(__m256 x) {  /* nearest even; finite inputs */
+    __m256i bits = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
+}
+ALWAYS_INLINE void store8(char *p, __m256 x, const int BF16) {
+    if (!BF16) { _mm256_storeu_ps((float *)p, x); return; }
+    __m256i halves = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16(x)), 16);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+ALWAYS_INLINE __m256 exp256(__m256 x) {  /* e^x for x <= 0: Cephes polynomial, exponent by shift */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+    __m256 p = _mm256_set1_ps(c[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+ALWAYS_INLINE float sum_lanes(__m256 x) {
+    float lanes[LANES], total = 0.0f;
+    _mm256_storeu_ps(lanes, x);
+    for (int i = 0; i < LANES; i++) total += lanes[i];
+    return total;
+}
+
+#endif
