@@ -137,12 +137,18 @@ ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_h
     const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     float qt[MAX_HEAD_DIM * BLOCK_ROWS];
-    for (int r = 0; r < width; r++) {
-        int64_t q = (first + r / G) * a->q_token_stride + ((int64_t)kv_head * G + r % G) * dim;
-        for (int d = 0; d < dim; d++)
-            qt[d * width + r] = r >= R ? 0.0f : a->scale * (BF16 ? bf16_to_f32(((const uint16_t *)a->q)[q + d])
-                                                                 : ((const float *)a->q)[q + d]);
-    }
+    for (int r0 = 0; r0 < width; r0 += LANES)
+        for (int c = 0; c < C; c++) {  /* 8 rows x 8 dims at a time, transposed in registers */
+            __m256 x[LANES];
+            for (int i = 0, r = r0; i < LANES; i++, r++) {
+                x[i] = _mm256_setzero_ps();
+                if (r >= R) continue;
+                int64_t q = (first + r / G) * a->q_token_stride + ((int64_t)kv_head * G + r % G) * dim + LANES * c;
+                x[i] = _mm256_mul_ps(load8((const char *)a->q + q * bytes, BF16), _mm256_set1_ps(a->scale));
+            }
+            transpose8(x);
+            for (int i = 0; i < LANES; i++) _mm256_storeu_ps(qt + (LANES * c + i) * width + r0, x[i]);
+        }
     block_scores(keys, rows, npad, qt, scores, NV, PP, C, BF16);
     block_softmax(scores, n, n_min, n_of, total, NV, BF16);
     for (int r = 0; r < R; r++) memset(out + r * MAX_HEAD_DIM, 0, dim * sizeof *out);

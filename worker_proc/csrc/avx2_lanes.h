@@ -41,6 +41,21 @@ ALWAYS_INLINE __m256 exp256(__m256 x) {  /* e^x for x <= 0: Cephes polynomial, e
     __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
+ALWAYS_INLINE void transpose8(__m256 x[LANES]) {  /* x[i] lane j -> x[j] lane i */
+    __m256 t[LANES], u[LANES];
+    for (int i = 0; i < LANES; i += 2) {
+        t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+    }
+    for (int i = 0; i < LANES; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        x[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
 ALWAYS_INLINE float sum_lanes(__m256 x) {
     float lanes[LANES], total = 0.0f;
     _mm256_storeu_ps(lanes, x);
