@@ -51,6 +51,7 @@ class SchedulerLoop:
         self._outputs: zmq.Socket | None = None
         self._workers = WorkerGroup(config, self._context, self._reader, self._should_exit)
         self._fatal_error = ""  # set when the loop cannot go on: it ends, the stack stops
+        self._lost_before_stop = ""  # a step lost to a dead rank as the stack stopped
         self._workers_serving = False  # False until the group is ready, and while it is replaced
         self.num_worker_restarts = 0  # worker groups lost and replaced
         self._frontend = FrontendWatch(process_alive)
@@ -134,6 +135,12 @@ class SchedulerLoop:
         except Exception:  # the engine may be what broke; the supervisor still sees us exit
             logger.exception("could not fail the unfinished requests")
 
+    def _stopping_message(self) -> str:
+        """What the requests still unfinished when the loop ends are told."""
+        if self._lost_before_stop:
+            return f"the server is stopping after a lost worker: {self._lost_before_stop}"
+        return "the scheduler is shutting down"
+
     def _should_exit(self) -> bool:
         return self._stopping or bool(self._fatal_error) or os.getppid() != self._parent_pid
 
@@ -171,7 +178,7 @@ class SchedulerLoop:
                 continue
             # Every step is reported, tokens or not: its stats and lifecycle events feed metrics.
             self._send_outputs(self._run_step(plan))
-        final = engine.finish_all(self._fatal_error or "the scheduler is shutting down")
+        final = engine.finish_all(self._fatal_error or self._stopping_message())
         if final.num_outputs:
             self._send_outputs(final, wait=False)
 
@@ -253,9 +260,10 @@ class SchedulerLoop:
         running requests go back to waiting (tokens kept), the supervisor replaces the group
         (told here which ranks hang; it sees deaths itself), and serving resumes once every
         rank of the new group is ready. The supervisor bounds how often (--max-restarts)."""
-        if self._should_exit():
-            return self.engine.fail_running("the scheduler is shutting down")
         dead = self._workers.dead_ranks(silent)
+        if self._should_exit():  # the stack stops (asked to, or past --max-restarts after this loss)
+            self._lost_before_stop = f"{what}: {ranks_text(dead)} died" if dead else ""
+            return self.engine.fail_running(self._stopping_message())
         hung = [rank for rank in silent if rank not in dead]
         cause = f"{what}: {ranks_text(dead)} died" if dead else \
             f"{what}: no answer within {self.config.step_timeout_s} s (--step-timeout)"
