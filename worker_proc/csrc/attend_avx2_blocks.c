@@ -20,7 +20,7 @@
 #define MAX_VECTORS (BLOCK_ROWS / LANES)   /* 8-lane vectors per position's row of scores */
 #define MAX_POSITIONS 12                   /* q.k positions per register tile */
 #define PV_ROWS 6                          /* p.v rows per register tile (x 16 dims: 12 accumulators) */
-#define PV_POSITIONS 64                    /* p.v positions per chunk: 16 KB of fp32 V rows */
+#define PV_POSITIONS 64                    /* p.v positions per chunk: 16 KB of fp32 V rows at head_dim 64 */
 
 /* Scaled scores of positions [0, npad) of NV * 8 rows: scores[p][NV * 8]. qt: [dim][NV * 8]. */
 ALWAYS_INLINE void block_scores(const char *keys, const int64_t *rows, int npad, const float *qt, float *scores,
@@ -75,7 +75,7 @@ ALWAYS_INLINE void block_softmax(float *scores, int n, int n_min, const int *n_o
     for (int p = 0; p < n; p++)
         for (int v = 0; v < NV; v++) {
             float *s = scores + p * width + LANES * v;
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s), top[v]));
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s), top[v]));  /* > 0 input only where masked next */
             if (p >= n_min) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit[v], _mm256_set1_epi32(p))));
             sum[v] = _mm256_add_ps(sum[v], e);
             _mm256_storeu_ps(s, BF16 ? round_to_bf16(e) : e);
