@@ -261,12 +261,12 @@ class SchedulerLoop:
         (told here which ranks hang; it sees deaths itself), and serving resumes once every
         rank of the new group is ready. The supervisor bounds how often (--max-restarts)."""
         dead = self._workers.dead_ranks(silent)
-        if self._should_exit():  # the stack stops (asked to, or past --max-restarts after this loss)
-            self._lost_before_stop = f"{what}: {ranks_text(dead)} died" if dead else ""
-            return self.engine.fail_running(self._stopping_message())
         hung = [rank for rank in silent if rank not in dead]
         cause = f"{what}: {ranks_text(dead)} died" if dead else \
             f"{what}: no answer within {self.config.step_timeout_s} s (--step-timeout)"
+        if self._should_exit():  # the stack stops (asked to, or past --max-restarts after this loss)
+            self._lost_before_stop = cause if dead else ""  # silence is then the stop's, not a fault
+            return self.engine.fail_running(self._stopping_message())
         logger.error("%s; requeueing %d running requests and waiting for a new worker group", cause,
                      len(self.engine.queues.running))
         self._workers_serving = False

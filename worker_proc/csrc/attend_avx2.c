@@ -163,10 +163,8 @@ VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
 Attend avx2_variant(int bf16, int group, int head_dim) {
     static const Attend variants[2][4] = {{attend_0_2, attend_0_4, attend_0_8, attend_0_16},
                                           {attend_1_2, attend_1_4, attend_1_8, attend_1_16}};
-    if (group < 1 || group > MAX_GROUP) return NULL;
-    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
-        if (head_dim == dim) return variants[bf16 ? 1 : 0][i];
-    return NULL;
+    int i = head_dim_index(head_dim);
+    return group < 1 || group > MAX_GROUP || i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
 }
 #else
 Attend avx2_variant(int bf16, int group, int head_dim) { (void)bf16, (void)group, (void)head_dim; return NULL; }

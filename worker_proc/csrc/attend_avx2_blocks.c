@@ -18,7 +18,6 @@
 #include "avx2_lanes.h"
 
 #define MAX_VECTORS (BLOCK_ROWS / LANES)   /* 8-lane vectors per position's row of scores */
-#define MAX_POSITIONS 12                   /* q.k positions per register tile */
 #define PV_ROWS 6                          /* p.v rows per register tile (x 16 dims: 12 accumulators) */
 #define PV_POSITIONS 64                    /* p.v positions per chunk: 16 KB of fp32 V rows at head_dim 64 */
 
@@ -26,9 +25,9 @@
 ALWAYS_INLINE void block_scores(const char *keys, const int64_t *rows, int npad, const float *qt, float *scores,
                                 const int NV, const int PP, const int C, const int BF16) {
     const int dim = LANES * C, width = LANES * NV;
-    float widened[MAX_POSITIONS][MAX_HEAD_DIM];
+    float widened[BLOCK_TILE][MAX_HEAD_DIM];
     for (int start = 0; start < npad; start += PP) {
-        const float *k[MAX_POSITIONS];
+        const float *k[BLOCK_TILE];
         for (int i = 0; i < PP; i++) {
             if (!BF16) {
                 k[i] = (const float *)keys + rows[start + i];
@@ -38,7 +37,7 @@ ALWAYS_INLINE void block_scores(const char *keys, const int64_t *rows, int npad,
                 _mm256_storeu_ps(widened[i] + LANES * c, load8(keys + (rows[start + i] + LANES * c) * 2, 1));
             k[i] = widened[i];
         }
-        __m256 acc[MAX_POSITIONS][MAX_VECTORS];
+        __m256 acc[BLOCK_TILE][MAX_VECTORS];
         for (int i = 0; i < PP; i++)
             for (int v = 0; v < NV; v++) acc[i][v] = _mm256_setzero_ps();
         for (int d = 0; d < dim; d++) {
@@ -119,7 +118,7 @@ ALWAYS_INLINE void values_tile(const char *values, const int64_t *rows, int p0, 
 ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_head, float *scratch,
                                const int NV, const int C, const int BF16) {
     const int G = a->num_heads / a->num_kv_heads, R = count * G, width = LANES * NV, dim = LANES * C;
-    const int bytes = BF16 ? 2 : 4, PP = NV == 1 ? 12 : NV == 2 ? 6 : 4;
+    const int bytes = BF16 ? 2 : 4, PP = BLOCK_TILE / NV;  /* 12, 6 or 4 positions: 12 accumulators */
     int n = 1, n_min = a->context_lens[first], n_of[BLOCK_ROWS];
     for (int j = 0; j < count; j++) {
         int lens = a->context_lens[first + j];
@@ -178,10 +177,8 @@ VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
 AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
     static const AttendBlock variants[2][4] = {{rows_0_2, rows_0_4, rows_0_8, rows_0_16},
                                                {rows_1_2, rows_1_4, rows_1_8, rows_1_16}};
-    if (group < 1 || 2 * group > BLOCK_ROWS) return NULL;  /* blocks of one query: the decode path */
-    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
-        if (head_dim == dim) return variants[bf16 ? 1 : 0][i];
-    return NULL;
+    int i = head_dim_index(head_dim);  /* groups past BLOCK_ROWS / 2: blocks of one query, the decode path */
+    return group < 1 || 2 * group > BLOCK_ROWS || i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
 }
 #else
 AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {

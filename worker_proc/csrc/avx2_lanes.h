@@ -10,6 +10,11 @@
 #define LANES 8       /* fp32 lanes */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+static inline int head_dim_index(int head_dim) {  /* the vector paths' variant: 16, 32, 64, 128 -> 0..3; else -1 */
+    for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
+        if (head_dim == dim) return i;
+    return -1;
+}
 ALWAYS_INLINE __m256 load8(const char *p, const int BF16) {  /* 8 elements as fp32 */
     if (!BF16) return _mm256_loadu_ps((const float *)p);
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));

@@ -19,6 +19,7 @@
 #define TILE 16       /* positions per score tile; the scores buffer is padded to it */
 #define MAX_GROUP 16  /* vectorised paths: query heads per KV head */
 #define BLOCK_ROWS 24 /* block paths: queries x query heads per KV head */
+#define BLOCK_TILE 12 /* block paths: q.k positions per register tile at most; each tile's width divides it */
 #define MAX_HEAD_DIM 128
 
 typedef struct {
@@ -42,7 +43,7 @@ Attend avx512_variant(int bf16, int group, int head_dim);
 Attend avx2_variant(int bf16, int group, int head_dim);
 AttendBlock avx2_block_variant(int bf16, int group, int head_dim);
 static inline size_t block_scratch_bytes(int max_context) {  /* scores, output rows, row offsets */
-    size_t positions = ((size_t)max_context + 11) / 12 * 12;  /* padded to every q.k tile's width */
+    size_t positions = ((size_t)max_context + BLOCK_TILE - 1) / BLOCK_TILE * BLOCK_TILE;  /* every tile's padding */
     return (positions * BLOCK_ROWS + BLOCK_ROWS * MAX_HEAD_DIM) * sizeof(float) + positions * sizeof(int64_t);
 }
 void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
