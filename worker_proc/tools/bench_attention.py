@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prefill-tokens", type=int, default=2048)
-    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="0: no prefill case")
+    parser.add_argument("--decode-seqs", type=int, default=64, help="0: no decode case")
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8)
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for dtype_name in args.dtypes.split(","):
         for kind in ("prefill", "decode"):
+            if (args.prefill_tokens if kind == "prefill" else args.decode_seqs * args.decode_context) < 1:
+                continue  # --prefill-tokens 0 or --decode-seqs 0: that case is not run
             best, diffs = time_builds(kernels, make_case(kind, args, DTYPES[dtype_name]), args)
             rows.append({"dtype": dtype_name, "case": kind,
                          "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
