@@ -38,8 +38,8 @@ def make_choices(message: AddRequest, seed: int, config: EngineConfig,
     """The leader (WAITING) and its siblings (HELD, listed in the leader's held_siblings): choice 0
     and the others, or for a resubmission (AddRequest.resume) only the unfinished choices, the
     lowest one leading, each restored with the output tokens the frontend already has. With
-    `grammars` (a constrained request), choice i owns matcher grammars[i], replayed over the
-    restored tokens of a resubmission."""
+    `grammars` (a constrained request), choice i owns matcher grammars[i] (Constraints.start
+    replayed it over a resubmission's restored tokens)."""
     params, resume = message.sampling_params, message.resume
 
     def choice(index: int, leader: Request | None) -> Request:
@@ -49,8 +49,6 @@ def make_choices(message: AddRequest, seed: int, config: EngineConfig,
                           choice_index=index, leader=leader, grammar=grammar)
         if resume is not None:
             start, end = int(resume.cu_token_ids[index]), int(resume.cu_token_ids[index + 1])
-            if grammar is not None:
-                grammar.replay(resume.token_ids[start:end].tolist())
             request.restore_outputs(resume.token_ids[start:end], resume.num_prompt_logprobs_received)
         return request
 

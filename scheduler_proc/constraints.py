@@ -17,7 +17,7 @@ import numpy as np
 
 from proto.config import EngineConfig
 from proto.grammar import GrammarSpec
-from proto.messages import GrammarMasks
+from proto.messages import GrammarMasks, ResumedOutputs
 
 if TYPE_CHECKING:
     from scheduler_proc.grammar import GrammarTable, SequenceGrammar
@@ -37,15 +37,27 @@ class Constraints:
     def is_built(self) -> bool:
         return self._table is not None
 
-    def start(self, spec: GrammarSpec, num_choices: int) -> tuple[list[SequenceGrammar], str]:
-        """(one fresh matcher per choice, "") or ([], why the spec cannot be compiled here)."""
+    def start(self, spec: GrammarSpec, num_choices: int,
+              resumed: ResumedOutputs | None = None) -> tuple[list[SequenceGrammar], str]:
+        """(one matcher per choice, "") or ([], why the request must end in error): the spec does
+        not compile here, or a resubmission's restored output tokens (`resumed`) break it. Each
+        unfinished resumed choice's matcher is replayed over the tokens it already has."""
         from scheduler_proc.grammar import GrammarError  # llguidance loads with the first constrained request
 
         try:
             table = self._table or self._build()
-            return [table.start(spec) for _ in range(num_choices)], ""
+            grammars = [table.start(spec) for _ in range(num_choices)]
         except (GrammarError, OSError, ValueError, RuntimeError) as exc:
             return [], f"structured output is unavailable for this request: {exc}"
+        for index, grammar in enumerate(grammars):
+            if resumed is None or resumed.finished[index]:
+                continue
+            start, end = int(resumed.cu_token_ids[index]), int(resumed.cu_token_ids[index + 1])
+            try:
+                grammar.replay(resumed.token_ids[start:end].tolist())
+            except GrammarError as exc:
+                return [], f"choice {index}'s resumed output tokens do not match its grammar: {exc}"
+        return grammars, ""
 
     def masks(self, requests: Sequence[Request], rows: Sequence[int]) -> GrammarMasks:
         """The bitmask rows of the constrained sampling members `rows` (indices into `requests`).

@@ -104,7 +104,7 @@ class SchedulerEngine:
             reason, error_code = f"request id {request_id!r} is already in use", ERROR_NONE
         grammars: list = []
         if not reason and message.grammar is not None:  # the frontend compiled it first: this is the fallback
-            grammars, reason = self.constraints.start(message.grammar, params.n)
+            grammars, reason = self.constraints.start(message.grammar, params.n, message.resume)
         if reason:
             for choice_index in range(params.n):
                 self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, FinishReason.ERROR, reason, now,

@@ -15,7 +15,7 @@ import pytest
 import tokenizers
 
 from proto.grammar import GrammarSpec
-from proto.messages import AddRequest, StepPlan
+from proto.messages import AddRequest, ResumedOutputs, StepPlan
 from proto.sampling import SamplingParams
 from scheduler_fakes import FakeWorker, Harness, choice_key
 from scheduler_proc.constraints import NO_MASKS
@@ -178,6 +178,22 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error_naming_it(
     harness.run()
     assert harness.log.finish_reasons == {"r": "error", "u": "length"}
     assert "violates the grammar" in harness.log.error_messages["r"] and harness.log.tokens["r"] == []
+
+
+def test_a_resubmission_whose_restored_tokens_break_its_grammar_ends_in_an_error_and_others_run(
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
+    letters = backend.encode("abc").ids  # a replaced scheduler's frontend resubmits these for [0-9]{4}
+    resume = ResumedOutputs(np.array([0, 0, len(letters)], np.int32), np.array(letters, np.int32),
+                            np.array([False, False]))
+    prompt = np.arange(100, 105, dtype=np.int32)
+    harness.engine.add(AddRequest("r", prompt, SamplingParams(n=2, max_tokens=8), time.time(),
+                                  GrammarSpec("regex", "[0-9]{4}"), resume))
+    add(harness, "u", 5, None, max_tokens=3)
+    harness.run()
+    assert harness.log.finish_reasons == {"r": "error", "r#1": "error", "u": "length"}
+    assert "choice 1's resumed output tokens do not match its grammar" in harness.log.error_messages["r"]
+    harness.engine.check_invariants()
 
 
 def test_a_grammar_the_scheduler_cannot_compile_ends_the_request_with_an_error(
