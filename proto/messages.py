@@ -35,9 +35,10 @@ class FinishReason(StrEnum):
 
 # Why an "error" finish happened, when the frontend must tell it apart (StepOutputs.error_codes):
 # QUEUE_FULL (max_num_waiting) and WAITING_TOKENS_FULL (max_waiting_tokens) are rejections that
-# may succeed later (HTTP 429), NONE every other error.
-ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL = range(3)
-ERROR_CODES = ("", "queue_full", "waiting_tokens_full")
+# may succeed later (HTTP 429), INVALID_REQUEST one that can never run as asked (HTTP 400: the
+# client must change it), NONE every other error.
+ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL, ERROR_INVALID_REQUEST = range(4)
+ERROR_CODES = ("", "queue_full", "waiting_tokens_full", "invalid_request")
 
 ALL_CHOICES = -1  # an AbortRequest.choice_indices entry: every choice of the request
 

@@ -6,7 +6,8 @@ import numpy as np
 
 from proto.config import EngineConfig, prompt_fits
 from proto.errors import ValidationError
-from proto.messages import ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL, AddRequest
+from proto.messages import (ERROR_INVALID_REQUEST, ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL,
+                            AddRequest)
 from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.request import max_num_kv_tokens
 
@@ -15,8 +16,8 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
                      num_waiting: int, num_waiting_tokens: int) -> tuple[str, int]:
     """("", ERROR_NONE) if the request may queue; otherwise the error message it finishes with and
     its ERROR_* code: ERROR_QUEUE_FULL / ERROR_WAITING_TOKENS_FULL for a queue full by count or
-    by prompt tokens (it may succeed later, the frontend answers 429), ERROR_NONE for a request
-    that can never run.
+    by prompt tokens (it may succeed later, the frontend answers 429), ERROR_INVALID_REQUEST for
+    a request that can never run as asked (400).
 
     Rejecting here, rather than letting it wait, is what keeps an impossible request from
     waiting forever: such a request would never fit, however long the others take. An empty
@@ -25,7 +26,7 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
     queue limits do not refuse it.
     """
     if message.resume is not None:
-        return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
+        return _never_runs(message, config, num_kv_blocks)
     if num_waiting >= config.max_num_waiting:
         return (f"the waiting queue is full: {num_waiting} requests are waiting and "
                 f"max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
@@ -34,7 +35,12 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
         return (f"the waiting queue is full: {num_waiting_tokens} prompt tokens are waiting, this "
                 f"request adds {num_prompt} and max_waiting_tokens is {config.max_waiting_tokens}"
                 ), ERROR_WAITING_TOKENS_FULL
-    return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
+    return _never_runs(message, config, num_kv_blocks)
+
+
+def _never_runs(message: AddRequest, config: EngineConfig, num_kv_blocks: int) -> tuple[str, int]:
+    reason = _never_runs_reason(message, config, num_kv_blocks)
+    return reason, ERROR_INVALID_REQUEST if reason else ERROR_NONE
 
 
 def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int) -> str:
@@ -85,3 +91,19 @@ def _kv_capacity_error(num_prompt: int, max_tokens: int, config: EngineConfig, n
             f"{max_tokens} max_tokens - 1, capped by max_model_len) = {needed_blocks} blocks, but the "
             f"whole KV cache holds {num_kv_blocks} blocks of {config.block_size} tokens "
             f"({capacity} tokens); lower max_tokens or shorten the prompt")
+
+
+def startup_capacity_error(config: EngineConfig, num_kv_blocks: int) -> str:
+    """Why the workers' KV cache cannot serve config.max_model_len, or "": one sequence at the
+    longest context must fit the whole cache, else requests the frontend accepts would be refused
+    (or a chat request without max_tokens, which may run to max_model_len, never served)."""
+    if not config.max_model_len:
+        return ""
+    needed_blocks = blocks_for_tokens(config.max_model_len - 1, config.block_size)
+    if needed_blocks <= num_kv_blocks:
+        return ""
+    capacity = num_kv_blocks * config.block_size
+    return (f"max_model_len {config.max_model_len} needs {needed_blocks} KV blocks of {config.block_size} "
+            f"tokens for one sequence, but the workers' KV cache holds {num_kv_blocks} blocks ({capacity} "
+            f"tokens): pass --max-model-len {capacity} or less, or give the KV cache more room "
+            f"(--kv-cache-memory on a CPU, --gpu-memory-utilization on a GPU, or --num-kv-blocks)")

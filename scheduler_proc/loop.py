@@ -17,6 +17,7 @@ from proto.errors import ValidationError
 from proto.faults import Fault
 from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
                             RestartWorkers, StepOutputs, StepPlan)
+from scheduler_proc.admission import startup_capacity_error
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault
 from scheduler_proc.frontend_watch import FrontendWatch
@@ -85,6 +86,10 @@ class SchedulerLoop:
             num_kv_blocks = self._await_workers()
             if num_kv_blocks is None:
                 return 0 if self._should_exit() else 1
+            capacity_error = startup_capacity_error(self.config, num_kv_blocks)
+            if capacity_error:
+                self._fail(capacity_error)
+                return 1
             self.engine = SchedulerEngine(self.config, num_kv_blocks)
             self.engine.scheduler_pid = os.getpid()
             self.engine.frontend_epoch = self._frontend_epoch

@@ -14,9 +14,9 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineUnavailableError
-from frontend.errors import APIError, too_many_requests
+from frontend.errors import APIError, bad_request, too_many_requests
 from frontend.generation import Generation, abort_on_disconnect
-from frontend.state import QUEUE_LIMIT_OF_ERROR_CODE, ServerState
+from frontend.state import INVALID_REQUEST_ERROR_CODE, QUEUE_LIMIT_OF_ERROR_CODE, ServerState
 from frontend.validation import GenerationJob
 from proto.messages import FinishReason
 
@@ -128,8 +128,9 @@ def _unavailable(exc: EngineUnavailableError) -> APIError:
 
 
 def _failure(state: ServerState, generation: Generation) -> APIError:
-    """The error a request that did not finish normally reports (429 for a full scheduler queue,
-    counted by the limit that refused it)."""
+    """The error a request that did not finish normally reports: 429 for a full scheduler queue
+    (counted by the limit that refused it), 400 for one the scheduler found can never run as
+    asked (e.g. more KV cache than the server has), else 500."""
     failed = generation.failure
     assert failed is not None, "only a request with a failed choice has a failure"
     message = generation.error_message or failed.error_message or "the request was aborted"
@@ -139,6 +140,8 @@ def _failure(state: ServerState, generation: Generation) -> APIError:
     if limit is not None:
         state.metrics.record_rejection(limit)
         return too_many_requests(message)
+    if failed.error_code == INVALID_REQUEST_ERROR_CODE:
+        return bad_request(message)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
 
 

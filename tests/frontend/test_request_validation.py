@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from frontend.protocol import DetokenizeRequest
-from proto.messages import ERROR_QUEUE_FULL
+from proto.messages import ERROR_INVALID_REQUEST, ERROR_QUEUE_FULL
 
 pytestmark = pytest.mark.anyio
 
@@ -164,6 +164,18 @@ async def test_engine_error_is_a_500_and_a_full_queue_a_429_by_its_code_not_its_
     streamed = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert_openai_error(streamed, 429, None, "try again later")  # a status, not a 200 stream
     assert streamed.headers["retry-after"] == "1"
+
+
+async def test_a_request_the_scheduler_finds_can_never_run_is_a_400_streamed_or_not(client, engine):
+    engine.fail_with = "the request needs up to 2047 tokens of KV cache; the whole KV cache holds 1024"
+    engine.fail_code = ERROR_INVALID_REQUEST
+    response = await client.post("/v1/chat/completions", json={"messages": USER})
+    assert_openai_error(response, 400, None, "whole KV cache holds 1024")
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    streamed = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert_openai_error(streamed, 400, None, "whole KV cache holds 1024")  # a status, not a 200 stream
+    engine.fail_with = ""
+    assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
 
 
 async def test_engine_error_while_streaming_sends_an_error_event_then_done(client, engine, sse):

@@ -30,6 +30,19 @@ def test_a_worker_that_cannot_load_the_model_fails_start_up_by_name(
             pass
 
 
+def test_a_kv_cache_too_small_for_max_model_len_fails_start_up_with_what_to_pass(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir, num_kv_blocks=8, max_model_len=512)  # 8 x 16 = 128 tokens
+    with pytest.raises(StartupError, match=r"scheduler failed to start: max_model_len 512 needs 32 KV "
+                                           r"blocks .* holds 8 blocks \(128 tokens\): pass --max-model-len 128"):
+        with Stack(config, log_dir=tmp_path / "logs"):
+            pass
+    with Stack(config.with_updates(max_model_len=128, port=free_port()), log_dir=tmp_path / "fits") as stack:
+        response = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60,
+                              json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+        assert response.status_code == 200, response.text  # no max_tokens: it may run to max_model_len
+
+
 def test_the_stack_stops_every_process_when_one_dies_with_no_restart_left(tiny_model_dir: Path,
                                                                            tmp_path: Path) -> None:
     with Stack(tiny_config(tiny_model_dir, max_restarts=0), log_dir=tmp_path) as stack:

@@ -50,7 +50,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         # 16 blocks of 16: each request needs up to 7 (4 of them shared with caching on); eight
         # seats cannot all fit, so some are preempted (and cached blocks evicted while shared).
         config = tiny_config(tiny_model_dir, enable_prefix_caching=caching, num_kv_blocks=16,
-                             max_num_seqs=8, max_num_batched_tokens=64)
+                             max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
         with Stack(config, log_dir=tmp_path_factory.mktemp(f"caching-{caching}")) as stack:
             results = asyncio.run(_completions(stack.url))
             found[caching] = PressuredRun(

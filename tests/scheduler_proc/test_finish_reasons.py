@@ -175,7 +175,7 @@ def test_a_full_waiting_queue_rejects_the_new_request_and_names_the_limit() -> N
     assert harness.log.finish_reasons == {"a": "length", "b": "length", "c": "error"}
 
 
-def test_a_full_queue_rejection_carries_the_queue_full_code_and_other_rejections_none() -> None:
+def test_a_full_queue_rejection_carries_the_queue_full_code_and_one_that_never_runs_invalid_request() -> None:
     harness = Harness(max_num_waiting=1, max_model_len=16)
     harness.add("too-long", 17, max_tokens=1)
     harness.add("a", 4, max_tokens=2)
@@ -183,7 +183,7 @@ def test_a_full_queue_rejection_carries_the_queue_full_code_and_other_rejections
     outputs = harness.engine.drain_outputs()
     assert outputs.request_ids == ["too-long", "full", "full"]
     assert outputs.finish_reasons == ["error"] * 3
-    assert [ERROR_CODES[code] for code in outputs.error_codes] == ["", "queue_full", "queue_full"]
+    assert [ERROR_CODES[code] for code in outputs.error_codes] == ["invalid_request", "queue_full", "queue_full"]
     harness.log.record(outputs)
     harness.run()
     assert harness.log.finish_reasons == {"too-long": "error", "a": "length", "full": "error",
