@@ -31,11 +31,15 @@ class ChoiceOutput:
 
     Invariant: once `finish_reason` is set the choice is final and later engine tokens for it are
     ignored; `engine_finished` says whether the scheduler ended it too (else it still runs there).
+    A stop token that ends the choice (`stop_token_ids`: the request's, and EOS unless ignore_eos)
+    counts as an output token (usage, logprobs) but its text is not part of the output, as in vLLM.
     """
 
     def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: list[str], min_tokens: int, wants_logprobs: bool) -> None:
+                 stop: list[str], min_tokens: int, wants_logprobs: bool,
+                 stop_token_ids: frozenset[int] = frozenset()) -> None:
         self.index = index
+        self._stop_token_ids = stop_token_ids
         self.output = OutputText(tokenizer, prompt_token_ids, stop, min_tokens)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.wants_logprobs = wants_logprobs
@@ -60,7 +64,10 @@ class ChoiceOutput:
         if self.finish_reason:
             return None
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        text = self.output.push(delta.token_ids, final=bool(delta.finish_reason))
+        text_ids = delta.token_ids
+        if delta.finish_reason == FinishReason.STOP and text_ids and text_ids[-1] in self._stop_token_ids:
+            text_ids = text_ids[:-1]
+        text = self.output.push(text_ids, final=bool(delta.finish_reason))
         logprobs: tuple[TokenLogprob | None, ...] = ()
         if self.wants_logprobs:
             logprobs = self._align_logprobs(delta)

@@ -32,13 +32,16 @@ class Generation:
     finish reason and the scheduler either finished the request itself or was sent an abort."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics,
-                 request_id: str, job: GenerationJob, arrival_s: float) -> None:
-        """`arrival_s`: when the HTTP request arrived, on this process's monotonic clock."""
+                 request_id: str, job: GenerationJob, arrival_s: float,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        """`arrival_s`: when the HTTP request arrived, on this process's monotonic clock;
+        `eos_token_ids`: the model's (EngineConfig's), which end a choice unless ignore_eos."""
         self.request_id = request_id
         self.job = job
         params = job.sampling_params
+        stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
         self.choices = [ChoiceOutput(index, tokenizer, job.prompt_token_ids, job.stop,
-                                     params.min_tokens, params.logprobs >= 0)
+                                     params.min_tokens, params.logprobs >= 0, stop_token_ids)
                         for index in range(params.n)]
         self.prompt_logprobs: dict[int, TokenLogprob] = {}  # by position, when echo asked for them
         self.error_message = ""

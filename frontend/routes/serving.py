@@ -47,7 +47,8 @@ async def serve_job(state: ServerState, request: Request, job: GenerationJob, fm
     headers wait until the scheduler has queued the request, so a refusal keeps its status."""
     state.check_serving()
     request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    generation = Generation(state.engine, state.tokenizer, state.metrics, request_id, job, arrival_s)
+    generation = Generation(state.engine, state.tokenizer, state.metrics, request_id, job, arrival_s,
+                            state.config.eos_token_ids)
     state.active.add(generation)
     handed_over = False
     try:

@@ -68,6 +68,32 @@ async def test_sampling_fields_and_vllm_extensions_reach_the_engine(client, engi
     assert params.logit_bias == ((17, -100.0),)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_token_that_ends_the_output_counts_but_its_text_is_left_out(
+        config, engine, tokenizer, make_http, sse, stream):
+    engine.reply_token_ids = tokenizer.encode("Paris.", add_special_tokens=False)
+    period, eos = engine.reply_token_ids[-1], engine.reply_token_ids[0]
+    async with make_http(config.with_updates(eos_token_ids=(eos,))) as client:
+        async def text_and_usage(**fields: object) -> tuple[str, int]:
+            body = {"prompt": "The capital", "max_tokens": 20, "stream": stream,
+                    "stream_options": {"include_usage": True} if stream else None, **fields}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            if not stream:
+                return response.json()["choices"][0]["text"], response.json()["usage"]["completion_tokens"]
+            events, _ = sse(response.text)
+            return "".join(c["text"] for e in events for c in e["choices"]), events[-1]["usage"]["completion_tokens"]
+
+        num_reply = len(engine.reply_token_ids)
+        full = tokenizer.decode(engine.reply_token_ids)
+        assert await text_and_usage(stop_token_ids=[period]) == (full.removesuffix("."), num_reply)
+        assert await text_and_usage() == (full, num_reply)  # a stop without a stop token keeps its text
+        engine.reply_token_ids = engine.reply_token_ids[1:] + [eos]  # ends with the model's EOS
+        assert await text_and_usage() == (tokenizer.decode(engine.reply_token_ids[:-1]), num_reply)
+        engine.finish_reason = "length"  # ignore_eos: the EOS was just a token
+        assert await text_and_usage(ignore_eos=True) == (tokenizer.decode(engine.reply_token_ids), num_reply)
+
+
 async def test_streamed_completion_sends_text_chunks_then_finish_then_done(client, reply_text, sse):
     response = await client.post("/v1/completions", json={"prompt": "The capital", "max_tokens": 50,
                                                            "stream": True})
