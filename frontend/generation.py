@@ -19,6 +19,7 @@ from starlette.types import Receive
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineClient, EngineUnavailableError
 from frontend.engine_outputs import EngineDelta, TokenLogprob
+from frontend.errors import REFUSAL_ERROR_CODES
 from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
 from frontend.validation import GenerationJob
@@ -53,7 +54,7 @@ class Generation:
         self._stream: AsyncGenerator[EngineDelta, None] | None = None  # once set, the scheduler knows it
         self._start_called = False
         self._pending: list[ChoiceDelta] = []  # what start() read, for deltas() to yield first
-        self._rejected = False  # the engine refused to take it (EngineUnavailableError)
+        self._rejected = False  # never taken: the engine was down, or the scheduler refused it
         self._closed = False
         self._arrival_s = arrival_s
         self._last_token_s: list[float | None] = [None] * params.n  # per choice, receive clock
@@ -184,7 +185,9 @@ class Generation:
             latency_s = received_s - (self._arrival_s if last_s is None else last_s)
             self._metrics.record_choice_tokens(len(update.token_ids), latency_s, last_s is None)
             self._last_token_s[choice.index] = received_s
-        if update.finish_reason:
+        if update.finish_reason and choice.error_code in REFUSAL_ERROR_CODES:
+            self._rejected = True  # counted by the refusal's answer (request_rejected_total for a 429)
+        elif update.finish_reason:
             self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s,
                                                  choice.num_tokens)
 

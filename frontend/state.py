@@ -22,9 +22,6 @@ from frontend.tool_parsers import HermesParser, ToolParser
 from frontend.validation import ModelLimits
 from proto.config import EngineConfig
 
-# The scheduler's refusal codes for a full queue (proto ERROR_CODES) -> the limit that refused.
-QUEUE_LIMIT_OF_ERROR_CODE = {"queue_full": "max_num_waiting", "waiting_tokens_full": "max_waiting_tokens"}
-INVALID_REQUEST_ERROR_CODE = "invalid_request"  # the scheduler found it can never run as asked: 400
 NUM_PREPARE_THREADS = 2  # parsing, chat templates and tokenizing; the tokenizer lets go of the GIL
 
 Result = TypeVar("Result")

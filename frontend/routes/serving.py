@@ -14,9 +14,10 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineUnavailableError
-from frontend.errors import APIError, bad_request, too_many_requests
+from frontend.errors import (INVALID_REQUEST_ERROR_CODE, QUEUE_LIMIT_OF_ERROR_CODE, APIError, bad_request,
+                             too_many_requests)
 from frontend.generation import Generation, abort_on_disconnect
-from frontend.state import INVALID_REQUEST_ERROR_CODE, QUEUE_LIMIT_OF_ERROR_CODE, ServerState
+from frontend.state import ServerState
 from frontend.validation import GenerationJob
 from proto.messages import FinishReason
 

@@ -15,7 +15,7 @@ from frontend.app import create_app
 from frontend.engine_client import ZmqEngineClient
 from frontend.metrics import FrontendMetrics, one_two_five_buckets, power_of_two_buckets
 from proto import codec
-from proto.messages import SchedulerStats, StepOutputs
+from proto.messages import ERROR_INVALID_REQUEST, ERROR_QUEUE_FULL, SchedulerStats, StepOutputs
 
 pytestmark = pytest.mark.anyio
 
@@ -136,6 +136,23 @@ async def test_n_choices_count_one_prompt_and_every_choice(client, engine):
     assert values["conveyor:time_to_first_token_seconds_count"] == 2
     assert values["conveyor:inter_token_latency_seconds_count"] == 7 - 2
     assert values["conveyor:request_decode_time_seconds_count"] == 2
+
+
+@pytest.mark.parametrize("code, status", [(ERROR_QUEUE_FULL, 429), (ERROR_INVALID_REQUEST, 400)])
+async def test_a_request_the_scheduler_refuses_is_a_rejection_not_a_finished_request(client, engine, code, status):
+    engine.fail_with, engine.fail_code = "refused", code
+    response = await client.post("/v1/completions", json={"prompt": "The capital", "n": 2})
+    assert response.status_code == status
+    values = samples((await client.get("/metrics")).text)
+    assert values.get('conveyor:request_rejected_total{reason="max_num_waiting"}', 0) == (status == 429)
+    for name in ('conveyor:request_success_total{finished_reason="error"}', "conveyor:e2e_request_latency_seconds_count",
+                 "conveyor:request_prompt_tokens_count", "conveyor:request_generation_tokens_count"):
+        assert values.get(name, 0) == 0, name
+    engine.fail_with = ""
+    assert (await client.post("/v1/completions", json={"prompt": "The capital"})).status_code == 200
+    values = samples((await client.get("/metrics")).text)
+    assert values['conveyor:request_success_total{finished_reason="stop"}'] == 1
+    assert values["conveyor:e2e_request_latency_seconds_count"] == 1
 
 
 async def test_scheduler_totals_become_counters_that_never_go_backwards():
