@@ -80,8 +80,11 @@ class Generation:
 
     @property
     def failure(self) -> ChoiceOutput | None:
-        """The first choice that ended with "error" or "abort": the request then failed."""
-        return next((c for c in self.choices if c.finish_reason in FAILURE_REASONS), None)
+        """The choice whose failure the request reports, if one ended with "error" or "abort" (the
+        request then failed): the first "error" (its siblings were aborted for it), else the first
+        "abort"."""
+        failed = [c for c in self.choices if c.finish_reason in FAILURE_REASONS]
+        return next((c for c in failed if c.finish_reason == FinishReason.ERROR), failed[0] if failed else None)
 
     def abort(self, message: str = "") -> None:
         """Free the scheduler's blocks; `deltas()` then ends every open choice with "abort"."""
@@ -160,6 +163,8 @@ class Generation:
         update = self._consume(delta)
         if self.finished and not all(c.engine_finished for c in self.choices):
             self._abort_engine()  # the rest run on only for choices we already ended
+        elif update is not None and update.finish_reason == FinishReason.ERROR:
+            self._abort_engine()  # the response fails now: its other choices would run for nothing
         elif update is not None and update.finish_reason:
             self._abort_choice_if_running(update.index)
         return update

@@ -151,14 +151,14 @@ class FakeEngineClient:
             self.finish_running(request_id, "abort", choices=(choice_index,))
 
     def finish_running(self, request_id: str, finish_reason: str = "stop",
-                       choices: tuple[int, ...] = ()) -> None:
+                       choices: tuple[int, ...] = (), error_message: str = "") -> None:
         """End a hanging request's running `choices` (default: all of them) with `finish_reason`."""
         running = self._running.get(request_id, set())
         ended = sorted(set(choices or running) & running)
         running.difference_update(ended)
         if not running:
             self._running.pop(request_id, None)
-        self._send(request_id, [_Row(c, [], finish_reason) for c in ended],
+        self._send(request_id, [_Row(c, [], finish_reason, error_message) for c in ended],
                    [(request_id, c, EVENT_FINISHED) for c in ended], step=False)
 
     def reply_of(self, choice: int) -> list[int]:

@@ -239,3 +239,22 @@ async def test_engine_error_in_n_choices_fails_the_request(client, engine):
     response = await client.post("/v1/completions", json={"prompt": "x", "n": 2})
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "worker rank 0 failed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_failing_choice_aborts_its_siblings_at_once_and_the_request_reports_its_error(
+        client, engine, sse, stream):
+    engine.hang = True  # every choice runs until told
+    answer = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "n": 3, "stream": stream}))
+    while not engine.added:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    request_id = engine.added[0].request_id
+    engine.finish_running(request_id, "error", choices=(1,), error_message="choice 1's grammar failed")
+    response = await asyncio.wait_for(answer, 10)
+    assert engine.aborted == [request_id]  # choices 0 and 2 freed at once, not run to their end
+    if stream:
+        events, done = sse(response.text)
+        assert done and events[-1]["error"]["message"] == "choice 1's grammar failed"
+    else:
+        assert response.status_code == 500 and response.json()["error"]["message"] == "choice 1's grammar failed"
