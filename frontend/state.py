@@ -80,7 +80,7 @@ class ServerState:
         stats, config = self.engine.latest_stats, self.config
         if stats is not None and stats.num_waiting >= config.max_num_waiting:
             raise self._refused("max_num_waiting", f"the waiting queue is full: {stats.num_waiting} "
-                                f"requests are waiting and max_num_waiting is {config.max_num_waiting}")
+                                f"sequences are waiting and max_num_waiting is {config.max_num_waiting}")
         if stats is not None and stats.num_waiting_tokens >= config.max_waiting_tokens:
             raise self._refused("max_waiting_tokens", f"the waiting queue is full: "
                                 f"{stats.num_waiting_tokens} prompt tokens are waiting and "

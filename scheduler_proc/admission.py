@@ -21,15 +21,16 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
 
     Rejecting here, rather than letting it wait, is what keeps an impossible request from
     waiting forever: such a request would never fit, however long the others take. An empty
-    queue takes any prompt that can run, so no prompt is refused by the token bound forever.
+    queue takes any request that can run, so none is refused by the queue bounds forever.
     A resubmission to a replaced scheduler (AddRequest.resume) was admitted once already: the
     queue limits do not refuse it.
     """
     if message.resume is not None:
         return _never_runs(message, config, num_kv_blocks)
-    if num_waiting >= config.max_num_waiting:
-        return (f"the waiting queue is full: {num_waiting} requests are waiting and "
-                f"max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
+    num_choices = message.sampling_params.n  # each choice waits as a sequence of its own
+    if num_waiting and num_waiting + num_choices > config.max_num_waiting:
+        return (f"the waiting queue is full: {num_waiting} sequences are waiting, this request adds "
+                f"{num_choices} and max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
     num_prompt = len(message.prompt_token_ids)
     if num_waiting and num_waiting_tokens + num_prompt > config.max_waiting_tokens:
         return (f"the waiting queue is full: {num_waiting_tokens} prompt tokens are waiting, this "

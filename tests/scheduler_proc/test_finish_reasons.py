@@ -175,6 +175,22 @@ def test_a_full_waiting_queue_rejects_the_new_request_and_names_the_limit() -> N
     assert harness.log.finish_reasons == {"a": "length", "b": "length", "c": "error"}
 
 
+def test_each_choice_of_a_request_counts_against_the_waiting_queue_bound_unless_it_is_empty() -> None:
+    harness = Harness(max_num_waiting=3)
+    harness.add("a", 4, max_tokens=2)
+    harness.add("three", 4, max_tokens=2, n=3)  # 1 + 3 sequences would pass 3
+    harness.add("two", 4, max_tokens=2, n=2)
+    outputs = harness.engine.drain_outputs()
+    assert outputs.request_ids == ["three"] * 3 and "this request adds 3" in outputs.error_messages[0]
+    harness.log.record(outputs)
+    harness.run()
+    harness.add("five", 4, max_tokens=2, n=5)  # an empty queue takes it
+    harness.run()
+    assert harness.log.finish_reasons == {"a": "length", "three": "error", "three#1": "error", "three#2": "error",
+                                          "two": "length", "two#1": "length", **{
+                                              key: "length" for key in ("five", "five#1", "five#2", "five#3", "five#4")}}
+
+
 def test_a_full_queue_rejection_carries_the_queue_full_code_and_one_that_never_runs_invalid_request() -> None:
     harness = Harness(max_num_waiting=1, max_model_len=16)
     harness.add("too-long", 17, max_tokens=1)
