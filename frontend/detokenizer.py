@@ -48,8 +48,8 @@ class OutputText:
     Invariant: `text[:num_emitted_chars]` has been sent to the client and is final; it is kept as
     a list of pieces and only the unsent rest (`_unsent`) is searched, so a token costs the same
     however long the output is. While streaming, a suffix that could still grow into a stop
-    string is held back, so no part of a stop string is ever emitted. Stop strings are checked
-    only after `min_tokens` tokens.
+    string is held back, so no part of a stop string is ever emitted. A stop string counts only
+    when it ends after `min_tokens` tokens.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
@@ -89,8 +89,9 @@ class OutputText:
                 self._unsent = self._unsent[:stop_at]
                 self.stopped = True
                 return self._release(stop_at)
-        if final or not checking_stops:
+        if final or not self._stop:
             return self._release(len(self._unsent))
+        # Before min_tokens too: a stop string that begins now may end after it.
         return self._release(len(self._unsent) - self._partial_stop_len())
 
     def _find_stop(self, start: int) -> int | None:

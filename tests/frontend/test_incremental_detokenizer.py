@@ -71,6 +71,14 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     assert "".join(stream_text(output, token_ids)) == "The fox and the "
 
 
+def test_a_stop_string_that_begins_before_min_tokens_and_ends_after_it_stops(tokenizer):
+    token_ids = tokenizer.encode("The capital of France", add_special_tokens=False)
+    before = len(tokenizer.encode("The capital", add_special_tokens=False))
+    assert tokenizer.decode(token_ids[:before]) == "The capital"  # " of" comes with the next token
+    output = OutputText(tokenizer, [5], stop=["capital of"], min_tokens=before + 1)
+    assert "".join(stream_text(output, token_ids)) == "The " and output.stopped
+
+
 def test_a_long_output_streams_the_same_text_and_stops_at_its_end(tokenizer):
     sentence = "Paris is the capital of France, 你好🙂 wörld. "
     body = sentence * 200
