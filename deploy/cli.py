@@ -92,8 +92,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a worker may take for one step before it counts as hung and "
                              "its group is replaced")
     parser.add_argument("--stall-timeout", type=float, default=defaults.stall_timeout_s,
-                        help="seconds a step may run before GET /health answers 503 'stalled' (until it "
-                             "ends, or its group is replaced at --step-timeout)")
+                        help="seconds a step's worker processes may use no CPU before GET /health "
+                             "answers 503 'stalled' (until they compute again, the step ends, or its "
+                             "group is replaced at --step-timeout)")
     parser.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                         help="worker group replacements allowed within --restart-window; one more "
                              "fault stops the stack")

@@ -57,8 +57,9 @@ class EngineConfig:
     api_key: str = ""
     ready_timeout_s: float = 120.0
     step_timeout_s: float = 120.0
-    # A step running longer than this turns /health 503 ("stalled") until it ends; the ranks are
-    # replaced only at step_timeout_s. Above the longest legitimate step, well below the timeout.
+    # A step whose ranks on the scheduler's node use no CPU for this long turns /health 503
+    # ("stalled") until they compute again or the step ends (scheduler_proc.rank_progress); the
+    # ranks are replaced only at step_timeout_s, which bounds every step's running time.
     stall_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
     # A worker group that dies or hangs is replaced and its requests recomputed, at most

@@ -193,6 +193,7 @@ class SchedulerStats:
     workers_serving: bool = True  # False while the worker group is being replaced after a fault
     scheduler_pid: int = 0  # the scheduler process that sent it: a new one means a replaced scheduler
     step_running_s: float = 0.0  # a heartbeat during a step: how long it has run so far (else 0)
+    step_idle_s: float = 0.0  # ... and how long its ranks on the scheduler's node have used no CPU
     frontend_epoch: int = 0  # FrontendHello.epoch of the last hello it read (the scheduler sends -1 before any)
 
 

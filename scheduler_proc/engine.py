@@ -219,10 +219,11 @@ class SchedulerEngine:
         """Current stats (and any pending outputs and events) with step_id -1."""
         return self._outputs.build(HEARTBEAT_STEP_ID, self.stats(), 0.0)
 
-    def progress_heartbeat(self, step_running_s: float) -> StepOutputs:
-        """Stats alone, step_id -1, while a step has run for step_running_s: pending events stay for
-        the step's own outputs (a heartbeat that is not taken loses nothing)."""
-        stats = dataclasses.replace(self.stats(), step_running_s=step_running_s)
+    def progress_heartbeat(self, step_running_s: float, step_idle_s: float) -> StepOutputs:
+        """Stats alone, step_id -1, while a step has run for step_running_s (its ranks idle for
+        step_idle_s): pending events stay for the step's own outputs (a heartbeat that is not
+        taken loses nothing)."""
+        stats = dataclasses.replace(self.stats(), step_running_s=step_running_s, step_idle_s=step_idle_s)
         return StepOutputs(HEARTBEAT_STEP_ID, [], np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32),
                            [], [], stats)
 

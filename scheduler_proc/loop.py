@@ -292,10 +292,10 @@ class SchedulerLoop:
         logger.info("a new worker group serves (restart %d)", self.num_worker_restarts)
         return self.engine.heartbeat()
 
-    def _step_heartbeat(self, step_running_s: float) -> None:
-        # A long step is not a hung scheduler; the frontend tells a hung worker by the step's age.
+    def _step_heartbeat(self, step_running_s: float, step_idle_s: float) -> None:
+        # A long step is not a hung scheduler; the frontend tells hung workers by the step's idle time.
         if self._heartbeat_due():
-            self._send_outputs(self.engine.progress_heartbeat(step_running_s), wait=False)
+            self._send_outputs(self.engine.progress_heartbeat(step_running_s, step_idle_s), wait=False)
 
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""

@@ -18,6 +18,7 @@ from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
 from proto.messages import StepResult, WorkerReady
+from scheduler_proc.rank_progress import RankProgress
 
 Message = TypeVar("Message")
 
@@ -165,11 +166,14 @@ class WorkerGroup:
                 and not process_alive(self.pids[rank])]
 
     def await_result(self, step_id: int, started_s: float, deadline: float,
-                     while_waiting: Callable[[float], None]) -> tuple[StepResult | None, list[int]]:
+                     while_waiting: Callable[[float, float], None]) -> tuple[StepResult | None, list[int]]:
         """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
         Another rank's error fails the step as rank 0's own would. while_waiting(seconds the step
-        has run) is called every poll slice; a step past --stall-timeout is logged."""
+        has run, seconds its local ranks have been idle: RankProgress) is called every poll slice;
+        a step idle past --stall-timeout is logged."""
         num_ranks, stall_s = self.config.tensor_parallel_size, self.config.stall_timeout_s
+        local = range(self.config.workers_per_node)
+        progress = RankProgress({rank: pid for rank, pid in self.pids.items() if rank in local}, started_s)
         answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
@@ -180,11 +184,12 @@ class WorkerGroup:
             remaining_s = deadline - now
             if remaining_s <= 0:
                 break
-            if now - started_s >= stall_s and not stalled:
+            idle_s = progress.idle_s(now)
+            if idle_s >= stall_s and not stalled:
                 stalled = True
                 self._log_stall(step_id, [rank for rank in range(num_ranks) if rank not in answers],
-                                now - started_s)
-            while_waiting(now - started_s)
+                                now - started_s, idle_s)
+            while_waiting(now - started_s, idle_s)
             if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
                 # Any rank gone, even one that answered (with its collective's error), lost the group.
                 dead = self.dead_ranks(list(range(num_ranks)))
@@ -210,12 +215,14 @@ class WorkerGroup:
             return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []
         return answers[0], []
 
-    def _log_stall(self, step_id: int, silent: list[int], running_s: float) -> None:
-        """Once per step past --stall-timeout: /health now says 'stalled' (the heartbeats carry the
-        step's running time), and an operator can see which ranks are late before the timeout."""
-        logger.warning("step %d: worker %s not answered for %.0f s (--stall-timeout): /health reports "
-                       "a stall; the group is replaced at --step-timeout (%g s)", step_id,
-                       f"{ranks_text(silent)} {'have' if len(silent) > 1 else 'has'}", running_s,
+    def _log_stall(self, step_id: int, silent: list[int], running_s: float, idle_s: float) -> None:
+        """Once per step idle past --stall-timeout: /health now says 'stalled' (the heartbeats
+        carry the step's idle time), and an operator can see which ranks are late before the
+        timeout."""
+        logger.warning("step %d: worker %s not answered for %.0f s, and this node's ranks have used no "
+                       "CPU for %.0f s (--stall-timeout): /health reports a stall; the group is replaced "
+                       "at --step-timeout (%g s)", step_id,
+                       f"{ranks_text(silent)} {'have' if len(silent) > 1 else 'has'}", running_s, idle_s,
                        self.config.step_timeout_s)
 
 

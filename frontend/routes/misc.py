@@ -30,7 +30,8 @@ async def list_models(request: Request) -> dict:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 only while the scheduler makes progress: a step or an idle heartbeat was RECEIVED within
-    the engine client's alive timeout (our clock) and no step has run past --stall-timeout. A hung
+    the engine client's alive timeout (our clock) and no step's ranks have been idle for
+    --stall-timeout (scheduler_proc.rank_progress). A hung
     or dead scheduler, hung workers, a frontend that has not heard from it yet, or a draining one:
     503."""
     state = get_state(request)
@@ -44,10 +45,11 @@ async def health(request: Request) -> JSONResponse:
     stats = state.engine.latest_stats  # None from an engine alive before any message (the tests' fake)
     if stats is not None and not stats.workers_serving:  # a lost worker group is being replaced
         return JSONResponse({"status": "recovering"}, status_code=503)
-    # Hung workers, or a step longer than --stall-timeout allows (replaced at --step-timeout).
-    if stats is not None and stats.step_running_s >= state.config.stall_timeout_s:
-        return JSONResponse({"status": "stalled", "step_running_s": round(stats.step_running_s, 1)},
-                            status_code=503)
+    # Hung workers: a step whose ranks have computed nothing for --stall-timeout (a long step that
+    # computes is not one; --step-timeout bounds it). Replaced at --step-timeout.
+    if stats is not None and stats.step_idle_s >= state.config.stall_timeout_s:
+        return JSONResponse({"status": "stalled", "step_running_s": round(stats.step_running_s, 1),
+                             "step_idle_s": round(stats.step_idle_s, 1)}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -203,13 +203,19 @@ async def test_health_follows_scheduler_heartbeats(config, tokenizer):
         assert (response.status_code, response.json()["status"]) == (503, "engine_unavailable")
         engine.handle_frame(codec.encode(dataclasses.replace(heartbeat(), step_id=3)))
         assert (await http.get("/health")).status_code == 200
-        # Heartbeats during a step say how long it has run: past --stall-timeout the workers hang.
-        engine.handle_frame(codec.encode(heartbeat(step_running_s=config.stall_timeout_s - 0.5)))
+        # Heartbeats during a step say how long it has run and how long its ranks have computed
+        # nothing: a long step that computes is healthy, ranks idle past --stall-timeout hang.
+        engine.handle_frame(codec.encode(heartbeat(step_running_s=config.stall_timeout_s * 3, step_idle_s=0.5)))
         assert (await http.get("/health")).status_code == 200
-        engine.handle_frame(codec.encode(heartbeat(step_running_s=config.stall_timeout_s + 0.04)))
+        engine.handle_frame(codec.encode(heartbeat(step_running_s=config.stall_timeout_s - 0.5,
+                                                   step_idle_s=config.stall_timeout_s - 0.5)))
+        assert (await http.get("/health")).status_code == 200
+        engine.handle_frame(codec.encode(heartbeat(step_running_s=config.stall_timeout_s + 0.04,
+                                                   step_idle_s=config.stall_timeout_s + 0.04)))
         response = await http.get("/health")
         assert response.status_code == 503
-        assert response.json() == {"status": "stalled", "step_running_s": round(config.stall_timeout_s, 1)}
+        assert response.json() == {"status": "stalled", "step_running_s": round(config.stall_timeout_s, 1),
+                                   "step_idle_s": round(config.stall_timeout_s, 1)}
         engine.handle_frame(codec.encode(dataclasses.replace(heartbeat(), step_id=4)))  # the step ended
         assert (await http.get("/health")).status_code == 200
         app.state.conveyor.draining = True

@@ -84,22 +84,24 @@ def test_a_rank_that_does_not_answer_is_named_for_restart_and_without_a_new_grou
         assert isinstance(failed, ProcessFailed) and "did not report ready" in failed.message
 
 
-def test_a_step_past_the_stall_timeout_is_heartbeaten_with_its_age_and_its_silent_rank_logged() -> None:
+def test_a_step_idle_past_the_stall_timeout_is_heartbeaten_with_its_age_and_its_silent_rank_logged() -> None:
     with caplog_of("scheduler_proc") as logged, running_loop(
             silent_ranks=(1,), tensor_parallel_size=2, stall_timeout_s=0.3, step_timeout_s=2.5,
             ready_timeout_s=1.0) as (_loop, frontend, control):
         assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
         frontend.add("a", 4, max_tokens=3)
         beat = frontend.receive(timeout_s=3.0)
-        while beat.stats.step_running_s < 0.3:  # idle heartbeats, then those of the step rank 1 never answers
+        while beat.stats.step_idle_s < 0.3:  # idle heartbeats, then those of the step rank 1 never answers
             beat = frontend.receive(timeout_s=3.0)
         assert beat.step_id == -1 and beat.stats.step_running_s < 2.5 and beat.stats.workers_serving
+        # (the fake ranks are threads of this process, sampled once a second: not yet seen computing)
+        assert beat.stats.step_idle_s == pytest.approx(beat.stats.step_running_s)
         restart = codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES)
         assert isinstance(restart, RestartWorkers) and restart.ranks.tolist() == [1]
         assert "no answer within 2.5 s (--step-timeout)" in restart.reason
         frontend.wait_finished("a")
     stalls = [line for line in logged if "--stall-timeout" in line]
-    assert len(stalls) == 1 and "worker rank 1 has not answered for" in stalls[0]
+    assert len(stalls) == 1 and "worker rank 1 has not answered for" in stalls[0] and "used no CPU" in stalls[0]
 
 
 # The silent rank is given up after this; the replacement's fake worker, a Python thread, must

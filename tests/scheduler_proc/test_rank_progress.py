@@ -1,0 +1,44 @@
+"""A step's ranks count as computing while their processes use CPU; a stopped or blocked one does not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scheduler_proc.rank_progress import SAMPLE_INTERVAL_S, RankProgress, process_cpu_s
+
+pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="needs procfs")
+
+
+def child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_a_busy_rank_keeps_the_step_progressing_and_a_blocked_one_makes_it_idle() -> None:
+    busy, blocked = child("while True: pass"), child("import threading; threading.Event().wait()")
+    try:
+        time.sleep(0.3)  # both started
+        started_s = time.monotonic()
+        alone, together = RankProgress({0: busy.pid}, started_s), RankProgress({0: busy.pid, 1: blocked.pid}, started_s)
+        idle = RankProgress({0: blocked.pid}, started_s)
+        time.sleep(SAMPLE_INTERVAL_S + 0.2)
+        now = time.monotonic()
+        assert alone.idle_s(now) == 0.0
+        assert together.idle_s(now) == pytest.approx(now - started_s)  # every local rank must compute
+        assert idle.idle_s(now) == pytest.approx(now - started_s)
+        assert idle.idle_s(now + 0.5) == pytest.approx(now + 0.5 - started_s)  # between samples: it grows
+    finally:
+        for process in (busy, blocked):
+            process.kill()
+            process.wait()
+
+
+def test_without_a_readable_rank_the_idle_time_is_the_running_time() -> None:
+    assert process_cpu_s(2 ** 22 + 7) is None  # beyond any pid_max: no such process
+    progress = RankProgress({0: 2 ** 22 + 7}, 100.0)
+    assert progress.idle_s(100.5) == 0.5 and progress.idle_s(103.0) == 3.0
+    assert RankProgress({}, 100.0).idle_s(112.0) == 12.0
