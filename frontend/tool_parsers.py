@@ -22,7 +22,7 @@ from frontend.tools import ToolChoice, forced_tool_calls, tool_call
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    content: str | None  # None when the output held only calls (OpenAI sends null then)
+    content: str | None  # stripped; None when the output held only calls (OpenAI sends null then)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -54,9 +54,7 @@ class ToolParser:
 
     def parse(self, text: str) -> ParsedOutput:
         content, calls = collect(self.stream(), text)
-        if not calls:
-            return ParsedOutput(text)
-        return ParsedOutput(content.strip() or None, calls)
+        return ParsedOutput(content or None, calls)  # stripped by the stream
 
 
 class HermesParser(ToolParser):
@@ -102,7 +100,7 @@ class ForcedCallsStream(ToolCallStream):
         self._buffer += text
         return []
 
-    def finish(self) -> list[Delta]:
+    def _finish_output(self) -> list[Delta]:
         text, self._buffer = self._buffer, ""
         calls = forced_tool_calls(self._choice, text)
         if not calls:
@@ -123,6 +121,4 @@ def read_output(choice: ToolChoice, parser: ToolParser, text: str) -> ParsedOutp
     if stream is None:
         return ParsedOutput(text)
     content, calls = collect(stream, text)
-    if not calls:
-        return ParsedOutput(text)
-    return ParsedOutput(content.strip() or None, calls)
+    return ParsedOutput(content or None, calls)  # stripped by the stream

@@ -25,10 +25,15 @@ def _held_back(text: str, marker: str) -> int:
 
 
 class ToolCallStream:
-    """Shared bookkeeping: content deltas, and numbered call deltas."""
+    """Shared bookkeeping: content deltas, and numbered call deltas. Content is the output's text
+    without the whitespace that begins or ends it (what a non-streaming response holds): a run of
+    whitespace is held until more content follows it, and dropped if none does, so an output of
+    calls alone (and the newlines between them) has no content, OpenAI's null."""
 
     def __init__(self) -> None:
         self.num_calls = 0
+        self._content_started = False
+        self._blank = ""  # whitespace held back
 
     def feed(self, text: str) -> list[Delta]:
         """The deltas `text` (the output's next piece) makes sendable."""
@@ -36,6 +41,11 @@ class ToolCallStream:
 
     def finish(self) -> list[Delta]:
         """The deltas of what is left when the output ends."""
+        deltas = self._finish_output()
+        self._blank = ""  # whitespace at the end
+        return deltas
+
+    def _finish_output(self) -> list[Delta]:
         raise NotImplementedError
 
     def _call_deltas(self, call: dict[str, Any]) -> list[Delta]:
@@ -46,9 +56,16 @@ class ToolCallStream:
         return [{"tool_calls": [head]},
                 {"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]}]
 
-    @staticmethod
-    def _content(text: str) -> list[Delta]:
-        return [{"content": text}] if text else []
+    def _content(self, text: str) -> list[Delta]:
+        text = self._blank + text
+        if not self._content_started:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._blank = text[len(body):]
+        if not body:
+            return []
+        self._content_started = True
+        return [{"content": body}]
 
 
 class HermesStream(ToolCallStream):
@@ -76,7 +93,7 @@ class HermesStream(ToolCallStream):
             deltas += self._block(before) if self._in_block else self._content(before)
             self._in_block = not self._in_block
 
-    def finish(self) -> list[Delta]:
+    def _finish_output(self) -> list[Delta]:
         rest, self._buffer = self._buffer, ""
         if not self._in_block:
             return self._content(rest)
@@ -111,7 +128,7 @@ class JsonCallsStream(ToolCallStream):
                 return self._content(text)
         return []
 
-    def finish(self) -> list[Delta]:
+    def _finish_output(self) -> list[Delta]:
         text, self._buffer = self._buffer, ""
         if self._mode != "calls":
             return self._content(text)

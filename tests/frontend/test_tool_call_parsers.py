@@ -33,8 +33,8 @@ def test_hermes_only_calls_has_null_content_and_an_unclosed_last_block_still_cou
 @pytest.mark.parametrize("text", ["plain answer", "<tool_call>{not json}</tool_call>",
                                   '<tool_call>{"arguments": {}}</tool_call>', "a < b <tool"])
 def test_text_that_is_not_a_call_stays_content(text: str) -> None:
-    parsed = HermesParser().parse(text)
-    assert parsed.content == text and parsed.tool_calls == []
+    parsed = HermesParser().parse(f"\n {text}\n")
+    assert parsed.content == text and parsed.tool_calls == []  # stripped, as with calls
 
 
 def test_string_arguments_are_read_as_their_json_object() -> None:
@@ -79,6 +79,10 @@ def _streamed(parser, text: str, piece: int) -> tuple[str, list[dict], list[dict
 @pytest.mark.parametrize("parser, text", [
     (HermesParser(), HERMES_TWO),
     (HermesParser(), "no calls here, only <b>text</b> and a <tool"),
+    (HermesParser(), '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", '
+                     '"arguments": {}}</tool_call>\n'),
+    (HermesParser(), ' Let me check. <tool_call>{"name": "a", "arguments": {}}</tool_call>  Done. \n'),
+    (HermesParser(), '\n\nAnswer:\n\n  indented\n'),
     (Llama3JsonParser(), '<|python_tag|>{"name": "a", "parameters": {"q": "x y"}}'),
     (Llama3JsonParser(), "Just words."),
 ])
@@ -86,7 +90,7 @@ def test_streamed_deltas_reassemble_to_the_non_streaming_result(parser, text: st
     content, calls, deltas = _streamed(parser, text, piece)
     whole = parser.parse(text)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == _calls(whole)
-    assert (content.strip() or None) == (whole.content.strip() if whole.content else None)
+    assert (content or None) == whole.content  # the very same text, whitespace included
 
 
 def test_no_marker_prefix_is_ever_sent_as_content() -> None:
