@@ -110,7 +110,7 @@ def _build(cls: type, values: object, where: str) -> object:
     kwargs = {name: decoder(value, f"{where}.{name}") for (name, decoder), value in zip(decoders, values)}
     try:
         built = cls(**kwargs)
-    except (ValidationError, TypeError, ValueError) as exc:  # a nested type's own validation
+    except (ValidationError, TypeError, ValueError, RecursionError) as exc:  # a nested type's own validation
         raise ProtocolError(f"{where}: {exc}") from exc
     checks.check(built)
     return built

@@ -69,7 +69,7 @@ class GrammarSpec:
 def _check_choices(source: str) -> None:
     try:
         choices = json.loads(source)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested past the interpreter's depth
         choices = None
     if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
         raise ValidationError("choice grammar source must be a JSON array of strings", "grammar.source")

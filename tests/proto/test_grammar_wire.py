@@ -44,6 +44,7 @@ def test_an_add_request_round_trips_with_or_without_its_grammar(grammar: Grammar
 @pytest.mark.parametrize("fields, match", [(["bad", "x"], "grammar kind must be one of"),
                                           (["regex", ""], "must not be empty"),
                                           (["choice", "[1]"], "JSON array of strings"),
+                                          (["choice", "[" * 50_000], "JSON array of strings"),  # too deep
                                           (["regex", 5], "must be str"), (["regex"], "needs 2 fields")])
 def test_a_garbage_grammar_spec_is_a_protocol_error(fields: list, match: str) -> None:
     values = msgpack.unpackb(codec.encode(_add(GrammarSpec("regex", "a"))))
