@@ -29,9 +29,18 @@ class Child:
 
     def describe_exit(self) -> str:
         code = self.process.returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         rank = f", tensor-parallel rank {self.rank}" if self.module == "worker_proc" else ""
         return f"{self.name} (pid {self.process.pid}{rank}) {how}"
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL, or SIGRTMIN+3 / signal 64 for those the signal module has no name for."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        rtmin = getattr(signal, "SIGRTMIN", None)
+        return f"SIGRTMIN+{number - rtmin}" if rtmin is not None and number >= rtmin else f"signal {number}"
 
 
 class ExitWatch:

@@ -56,3 +56,12 @@ def test_a_replaced_child_is_watched_under_its_new_pid() -> None:
         child.process.kill()
         child.process.wait()
         watch.close()
+
+
+@pytest.mark.parametrize("signal_number, name", [(9, "SIGKILL"), (37, "SIGRTMIN+3")])
+def test_a_child_killed_by_any_signal_is_described_by_the_signals_name(signal_number: int, name: str) -> None:
+    child = Child("worker1", "worker_proc", ["--rank", "1"])
+    child.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(child.process.pid, signal_number)
+    child.process.wait(10)
+    assert child.describe_exit() == f"worker1 (pid {child.process.pid}, tensor-parallel rank 1) was killed by {name}"
