@@ -151,7 +151,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        with Stack(config) as stack:
+        with Stack(config, should_stop=lambda: stopping["flag"]) as stack:
             if config.node_rank == 0:
                 log.info("conveyor is answering on %s (OpenAI API under /v1)", stack.url)
             else:
@@ -161,6 +161,9 @@ def serve(args: argparse.Namespace) -> int:
             log.log(logging.INFO if stopping["flag"] else logging.ERROR, "%s", reason)
             return 0 if stopping["flag"] else 1
     except StartupError as exc:
+        if stopping["flag"]:  # SIGTERM or Ctrl-C during start-up: every process is stopped
+            log.info("stopped during start-up: %s", exc)
+            return 0
         log.error("start-up failed: %s", exc)
         return 1
 

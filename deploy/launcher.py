@@ -45,9 +45,12 @@ log = logging.getLogger("conveyor.deploy")
 class Stack(Replacements):
     """Every conveyor process of one node, owned for the duration of a `with` block."""
 
-    def __init__(self, config: EngineConfig, log_dir: Path | None = None) -> None:
+    def __init__(self, config: EngineConfig, log_dir: Path | None = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
+        """`should_stop` (e.g. SIGTERM received) also ends the wait for start-up: StartupError."""
         self.config = config
         self.log_dir = log_dir
+        self._should_stop = should_stop
         self.children: list[Child] = []
         self._context: zmq.Context | None = None
         self._control: zmq.Socket | None = None
@@ -127,6 +130,8 @@ class Stack(Replacements):
     def _wait_ready(self, pending: set[str]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         while pending:
+            if self._should_stop():
+                raise StartupError(f"asked to stop while {', '.join(sorted(pending))} started")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StartupError(f"{', '.join(sorted(pending))} not ready after "

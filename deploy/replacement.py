@@ -3,7 +3,8 @@ the group node 0's supervisor names), the frontend, or the scheduler with its wo
 against the one restart budget (deploy/restarts.py), with a log line naming the process and cause.
 
 `Replacements` is the part of `deploy.launcher.Stack` that does it; it works on the Stack's
-children, config, restart budget and group channel, and on its `_spawn` / `_wait_ready`.
+children, config, restart budget and group channel, and on its `_spawn` and `_ready_deadlines`
+(a replaced process must report ready within --ready-timeout, or the watch kills it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from deploy.children import Child, StartupError
+from deploy.children import Child
 from proto.messages import GroupLost, StartGroup
 
 log = logging.getLogger("conveyor.deploy")
@@ -72,24 +73,24 @@ class Replacements:
 
     def _replace_scheduler(self, dead: Child) -> str:
         """The scheduler died (or was killed for hanging): start a new one and a fresh worker group
-        with it (the workers' step sockets and KV cache belonged to the lost one). The frontend
-        resubmits its requests once the new scheduler talks. '' once the new processes are ready,
-        else why the stack must stop (--max-restarts reached, or they did not start)."""
+        with it (the workers' step sockets and KV cache belonged to the lost one), announced to the
+        other nodes, whose ranks join it. The frontend resubmits its requests once the new
+        scheduler talks. The watch goes on meanwhile (the frontend and the other nodes are served)
+        and holds the new processes to --ready-timeout. '' once started, else why the stack must
+        stop (--max-restarts reached)."""
         cause = self._exit_cause(dead)
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
-        log.error("%s; replacing the scheduler and the worker group (restart %d, at most %d within "
-                  "%.0f s)", cause, self.restarts.num_restarts_total, self.restarts.max_restarts,
-                  self.restarts.window_s)
-        self.config = self.config.with_updates(worker_generation=self.config.worker_generation + 1)
-        engine = [dead, *self._workers()]
-        for child in engine:
+        generation = self.config.worker_generation + 1
+        log.error("%s; replacing the scheduler and the worker group with group %d (%s)", cause,
+                  generation, self.restarts.describe())
+        self.config = self.config.with_updates(worker_generation=generation)
+        for child in [dead, *self._workers()]:
             _kill_and_reap(child)
             self._spawn(child)
-        try:
-            self._wait_ready({child.name for child in engine})
-        except StartupError as exc:
-            return f"the replacement scheduler did not start: {exc}"
+            self._ready_deadlines[child.name] = time.monotonic() + self.config.ready_timeout_s
+        if self._group is not None:
+            self._group.announce(generation, f"the scheduler was replaced: {cause}")
         return ""
 
     def _replace_workers(self, dead: Child) -> str:
@@ -113,9 +114,8 @@ class Replacements:
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
         generation = self.config.worker_generation + 1 if generation < 0 else generation
-        log.error("%s; replacing the worker group with group %d (restart %d, at most %d within %.0f s)",
-                  cause, generation, self.restarts.num_restarts_total, self.restarts.max_restarts,
-                  self.restarts.window_s)
+        log.error("%s; replacing the worker group with group %d (%s)", cause, generation,
+                  self.restarts.describe())
         self._stop_workers()
         self.config = self.config.with_updates(worker_generation=generation)
         for child in self._workers():
@@ -138,8 +138,7 @@ class Replacements:
         cause = self._exit_cause(dead)
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
-        log.error("%s; restarting the frontend (restart %d, at most %d within %.0f s)", cause,
-                  self.restarts.num_restarts_total, self.restarts.max_restarts, self.restarts.window_s)
+        log.error("%s; restarting the frontend (%s)", cause, self.restarts.describe())
         self.num_frontend_restarts += 1
         dead.extra_args = ["--restarts", str(self.num_frontend_restarts)]
         _kill_and_reap(dead)

@@ -28,6 +28,11 @@ class RestartBudget:
         self.num_restarts_total += 1
         return True
 
+    def describe(self) -> str:
+        """Where the budget stands after the latest allow(), for the restart's log line."""
+        return (f"restart {len(self._recent)} of at most {self.max_restarts} within {self.window_s:.0f} s, "
+                f"{self.num_restarts_total} in all")
+
     def exhausted(self, cause: str) -> str:
         """Why the stack stops: this cause and the ones restarted for within the window."""
         earlier = "; ".join(recent_cause for _, recent_cause in self._recent) or "none"

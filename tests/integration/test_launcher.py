@@ -43,6 +43,25 @@ def test_a_kv_cache_too_small_for_max_model_len_fails_start_up_with_what_to_pass
         assert response.status_code == 200, response.text  # no max_tokens: it may run to max_model_len
 
 
+def test_a_stop_asked_for_during_start_up_ends_it_at_once_with_no_process_left(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    asked = {"stop": False}
+    stack = Stack(tiny_config(tiny_model_dir), log_dir=tmp_path, should_stop=lambda: asked["stop"])
+    spawn = stack._spawn
+
+    def spawn_then_ask_to_stop(child) -> None:  # SIGTERM arrives once every process is started
+        spawn(child)
+        asked["stop"] = child.name == "frontend"
+
+    stack._spawn = spawn_then_ask_to_stop
+    started_s = time.monotonic()
+    with pytest.raises(StartupError, match="asked to stop while .*frontend.* started"):
+        with stack:
+            pass
+    assert time.monotonic() - started_s < 20  # not --ready-timeout (120 s)
+    assert all(child.process.poll() is not None for child in stack.children)
+
+
 def test_the_stack_stops_every_process_when_one_dies_with_no_restart_left(tiny_model_dir: Path,
                                                                            tmp_path: Path) -> None:
     with Stack(tiny_config(tiny_model_dir, max_restarts=0), log_dir=tmp_path) as stack:

@@ -62,3 +62,20 @@ def test_a_remote_rank_killed_mid_generation_is_replaced_on_both_nodes_and_strea
     log = "\n".join(records)
     assert "worker1" in log and "SIGKILL" in log and "asking node 0 for a new group" in log, log
     assert "node 1 lost a rank" in log and "node 0 started worker group 1" in log, log
+
+
+def test_a_scheduler_killed_mid_generation_is_replaced_with_a_group_both_nodes_join(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with two_nodes(tiny_model_dir, tmp_path / "calm") as (node0, _node1):
+        undisturbed = run_burst(node0.url)
+    monkeypatch.setenv("CONVEYOR_SCHEDULER_FAULT", f"step=6,action=kill,once={tmp_path / 'fired'}")
+    with caplog_of("conveyor.deploy") as records, two_nodes(tiny_model_dir, tmp_path / "fault") as (node0, node1):
+        old = [c.process.pid for c in node1.children if c.module == "worker_proc"]
+        assert run_burst(node0.url) == undisturbed
+        assert (tmp_path / "fired").exists()
+        assert node0.config.worker_generation == node1.config.worker_generation == 1
+        assert not {c.process.pid for c in node1.children if c.module == "worker_proc"} & set(old)
+        assert metric_value(node0.url, "conveyor:request_success_total", finished_reason="error") == 0
+    log = "\n".join(records)
+    assert "replacing the scheduler and the worker group with group 1" in log, log
+    assert "node 0 started worker group 1 (the scheduler was replaced" in log, log
