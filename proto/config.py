@@ -108,11 +108,11 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got "
                                   f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
-        for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s"):
+        for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValidationError(f"{name} must be > 0 seconds, got {getattr(self, name)}", name)
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size",
-                     "long_prefill_token_threshold", "max_restarts"):
+                     "long_prefill_token_threshold", "max_restarts", "shutdown_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValidationError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         self._validate_placement()

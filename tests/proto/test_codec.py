@@ -149,6 +149,8 @@ def test_engine_config_round_trips_through_json_and_rejects_bad_values() -> None
         EngineConfig(scheduling="fifo")
     with pytest.raises(ValidationError, match="max_num_seqs must be >= 1, got 0"):
         EngineConfig(max_num_seqs=0)
-    for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s"):
+    for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s", "restart_window_s"):
         with pytest.raises(ValidationError, match=f"{name} must be > 0 seconds, got 0"):
             EngineConfig(**{name: 0})
+    with pytest.raises(ValidationError, match="shutdown_timeout_s must be >= 0, got -1"):
+        EngineConfig(shutdown_timeout_s=-1)
