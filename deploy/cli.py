@@ -9,6 +9,7 @@ import logging
 import re
 import signal
 import sys
+from pathlib import Path
 
 from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
@@ -108,8 +109,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     model_dir = resolve_model(args.model)
     info = read_model_info(model_dir)
+    served_model_name = args.served_model_name
+    if not served_model_name and args.model is not None and not Path(args.model).expanduser().is_dir():
+        served_model_name = args.model  # a Hugging Face id: its cache snapshot is named by a commit hash
     config = EngineConfig(
-        model=str(model_dir), served_model_name=args.served_model_name,
+        model=str(model_dir), served_model_name=served_model_name,
         dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,

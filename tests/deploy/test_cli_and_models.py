@@ -63,6 +63,8 @@ def test_a_model_in_the_local_hf_cache_is_found(tmp_path: Path, tiny_model_dir: 
     (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     assert resolve_model("acme/tiny") == snapshot
+    assert config_from_args(_serve_args("acme/tiny")).served_model_name == "acme/tiny"  # not "abc123"
+    assert config_from_args(_serve_args("acme/tiny", "--served-model-name", "t")).served_model_name == "t"
 
 
 def _serve_args(model: str, *extra: str) -> argparse.Namespace:
