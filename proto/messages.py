@@ -172,6 +172,7 @@ class WorkerReady:
     num_kv_blocks: int
     pid: int
     generation: int = 0  # the worker group this rank belongs to (EngineConfig.worker_generation)
+    dtype: str = ""  # EngineConfig.dtype as this rank's node resolved it; every rank must agree
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ class WorkerGroup:
         num_ranks, timeout_s = self.config.tensor_parallel_size, self.config.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         blocks_by_rank: dict[int, int] = {}
+        dtype_by_rank: dict[int, str] = {}
         generation = self.generation + 1  # the lowest one that may serve next
         while len(blocks_by_rank) < num_ranks and not self._should_exit():
             remaining_s = deadline - time.monotonic()
@@ -132,10 +133,11 @@ class WorkerGroup:
                                        f"{ready.generation}: waiting for group {generation} or later")
                 continue
             if ready.generation > generation:  # a later group replaced the one being gathered
-                generation, blocks_by_rank = ready.generation, {}
+                generation, blocks_by_rank, dtype_by_rank = ready.generation, {}, {}
             logger.info("worker rank %d (pid %d) ready with %d KV blocks", ready.rank, ready.pid,
                         ready.num_kv_blocks)
             blocks_by_rank[ready.rank] = ready.num_kv_blocks
+            dtype_by_rank[ready.rank] = ready.dtype
             self.pids[ready.rank] = ready.pid
         if self._should_exit():
             return None, ""
@@ -145,6 +147,10 @@ class WorkerGroup:
             refused = (f"; {num_refused} peers were refused for a CURVE key that is not this "
                        "deployment's (--transport-keys)" if num_refused else "")
             return None, f"worker ranks {missing} did not report ready within {timeout_s} s{refused}"
+        if len(set(dtype_by_rank.values())) > 1:  # their collectives would fail at the first step
+            dtypes = ", ".join(f"rank {rank} {dtype}" for rank, dtype in sorted(dtype_by_rank.items()))
+            return None, (f"worker ranks disagree on the dtype ({dtypes}): --dtype auto decides on each "
+                          f"node by its own CPU; pass the same --dtype on every node")
         self.generation = generation
         num_kv_blocks = min(blocks_by_rank.values())
         if num_kv_blocks < 1:

@@ -26,7 +26,8 @@ class WorkerThread:
     """A rank that connects like a real worker, reports ready, and answers plans with FakeWorker."""
 
     def __init__(self, context: zmq.Context, runtime_dir: str, rank: int = 0, answers: bool = True,
-                 error: str = "", expected: FakeWorker | None = None, generation: int = 0) -> None:
+                 error: str = "", expected: FakeWorker | None = None, generation: int = 0,
+                 dtype: str = "float32") -> None:
         """expected: a lost worker whose requests this one (its replacement) continues;
         generation: the worker group it reports (a replacement's is above the lost one's)."""
         self.fake = FakeWorker(NUM_BLOCKS, TEST_CONFIG.block_size)
@@ -35,7 +36,7 @@ class WorkerThread:
             self.fake.prompt_lengths = dict(expected.prompt_lengths)
         self.plans = sockets.connect(context, zmq.PULL, runtime_dir, sockets.plan_channel(rank))
         self.results = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.RESULTS)
-        self.rank, self.answers, self.error, self.generation = rank, answers, error, generation
+        self.rank, self.answers, self.error, self.generation, self.dtype = rank, answers, error, generation, dtype
         self.plan_generations: list[int] = []  # StepPlan.generation of every plan it got
         self.noise_before_next_result: list[bytes] = []  # frames sent just before the next result
         self._stop = threading.Event()
@@ -43,7 +44,7 @@ class WorkerThread:
         self._thread.start()
 
     def _run(self) -> None:
-        sockets.send(self.results, WorkerReady(self.rank, NUM_BLOCKS, os.getpid(), self.generation))
+        sockets.send(self.results, WorkerReady(self.rank, NUM_BLOCKS, os.getpid(), self.generation, self.dtype))
         while not self._stop.is_set():
             frame = sockets.recv_ready(self.plans, 0.05)
             if frame is None or not self.answers:

@@ -141,7 +141,9 @@ def test_an_error_on_another_rank_fails_the_step_like_rank_0s_own() -> None:
         assert "rank 1: boom" in frontend.log.error_messages["a"]
 
 
-def test_missing_worker_ranks_are_named_in_process_failed() -> None:
+def start_up_failure(dtypes: list[str]) -> tuple[int, str]:
+    """The exit code and ProcessFailed message of a 2-rank loop whose ranks report `dtypes`
+    (fewer than two: the other rank never reports)."""
     runtime_dir = sockets.make_runtime_dir()
     context = zmq.Context()
     control = sockets.bind(context, zmq.PULL, runtime_dir, sockets.CONTROL)
@@ -151,16 +153,27 @@ def test_missing_worker_ranks_are_named_in_process_failed() -> None:
         result: list[int] = []
         thread = threading.Thread(target=lambda: result.append(loop.run()), daemon=True)
         thread.start()
-        worker = WorkerThread(context, runtime_dir, rank=0)
+        workers = [WorkerThread(context, runtime_dir, rank=rank, dtype=dtype) for rank, dtype in enumerate(dtypes)]
         thread.join(timeout=5)
         failed = codec.decode(sockets.recv_ready(control, 2.0), sockets.CONTROL_MESSAGES)
-        assert result == [1]
-        assert isinstance(failed, ProcessFailed) and "[1]" in failed.message and "0.5 s" in failed.message
-        worker.close()
+        for worker in workers:
+            worker.close()
+        assert isinstance(failed, ProcessFailed)
+        return result[0], failed.message
     finally:
         control.close()
         context.term()
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_missing_worker_ranks_are_named_in_process_failed() -> None:
+    code, message = start_up_failure(["float32"])
+    assert code == 1 and "[1]" in message and "0.5 s" in message
+
+
+def test_ranks_that_disagree_on_the_dtype_fail_start_up_naming_each() -> None:
+    code, message = start_up_failure(["bfloat16", "float32"])
+    assert code == 1 and "rank 0 bfloat16, rank 1 float32" in message and "same --dtype on every node" in message
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc sockets and prctl are Linux-only here")
