@@ -89,7 +89,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
@@ -102,5 +102,7 @@ class ApiKeyMiddleware:
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope.get("headers", ()))
-        # compare_digest: the comparison time must not reveal how much of the key matched.
-        return hmac.compare_digest(headers.get(b"authorization", b""), self._expected)
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 7235); compare_digest: the comparison time must not
+        # reveal how much of the key matched.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected)

@@ -9,8 +9,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from proto.errors import ValidationError
 
@@ -110,6 +111,11 @@ def install_error_handlers(app: FastAPI) -> None:
         error = APIError(exc.status_code, str(exc.detail), kind)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
+    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left while sending its body: no one to answer, nothing to log but a line.
+        logger.info("client left while sending %s %s", request.method, request.url.path)
+        return Response(status_code=HTTPStatus.BAD_REQUEST)
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving %s %s", request.method, request.url.path)
         return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}",
@@ -119,4 +125,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(ValidationError, on_proto_validation)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)

@@ -163,11 +163,14 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     if isinstance(content, list):
         texts = []
         for part_index, part in enumerate(content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise bad_request(
                     f"messages[{index}].content[{part_index}]: only text parts "
                     f"({{\"type\": \"text\", \"text\": ...}}) are supported, got type {part.get('type')!r}",
                     f"messages.{index}.content")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content[{part_index}]: a text part needs \"text\", a "
+                                  f"string, got {part.get('text')!r}", f"messages.{index}.content")
             texts.append(part["text"])
         content = "\n".join(texts)
     return {**(message.model_extra or {}), "role": message.role, "content": content or ""}

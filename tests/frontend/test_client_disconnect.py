@@ -120,3 +120,21 @@ async def test_a_stream_sends_its_status_line_only_once_the_scheduler_has_queued
     assert client.status == 200 and b" capital" in b"".join(client.chunks)
     client.leave.set()
     await asyncio.wait_for(serving, timeout=5)
+
+
+async def test_a_client_leaving_halfway_through_its_body_is_one_quiet_log_line(config, engine, tokenizer, caplog):
+    app = create_app(config, engine, tokenizer)
+    messages = iter([{"type": "http.request", "body": b'{"prompt": "The cap', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        pass
+
+    with caplog.at_level("INFO"):
+        await asyncio.wait_for(app(http_scope("/v1/completions", "2.3"), receive, send), timeout=5)
+    assert engine.added == [] and app.state.conveyor.num_in_flight == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    assert "client left while sending POST /v1/completions" in caplog.text

@@ -55,6 +55,8 @@ BAD_CHATS = [
      "Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', got \"wizard\""),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content",
+     'a text part needs "text", a string, got None'),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools.0.function", "function is required"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_tokens", ">= 1"),
     ({"messages": USER, "top_k": -3}, "top_k", "top_k"),
@@ -214,4 +216,8 @@ async def test_api_key_guards_v1_routes_only(config, make_http):
         assert_openai_error(wrong, 401, None, "API key")
         right = await http.get("/v1/models", headers={"Authorization": "Bearer sesame"})
         assert right.status_code == 200
+        for header in ("bearer sesame", "BEARER  sesame"):  # the scheme is case-insensitive
+            assert (await http.get("/v1/models", headers={"Authorization": header})).status_code == 200
+        for header in ("sesame", "Basic sesame", "Bearer sesame2", "Bearersesame"):
+            assert (await http.get("/v1/models", headers={"Authorization": header})).status_code == 401
         assert (await http.get("/health")).status_code == 200
