@@ -53,11 +53,12 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: list[str] | None = None, min_tokens: int = 0) -> None:
+                 stop: list[str] | None = None, min_tokens: int = 0, include_stop: bool = False) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = [s for s in (stop or []) if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._min_tokens = min_tokens
+        self._include_stop = include_stop  # a matched stop string ends the text rather than being cut
         self._sent_pieces: list[str] = []  # text[:num_emitted_chars], as released
         self._unsent = ""  # text[num_emitted_chars:]: shorter than the longest stop string between pushes
         self.num_emitted_chars = 0
@@ -86,6 +87,7 @@ class OutputText:
             # Only a match that ends in the new text is new; all of it lies in the unsent text.
             stop_at = self._find_stop(max(old_unsent_len - self._max_stop_len + 1, 0))
             if stop_at is not None:
+                stop_at += self._matched_len(stop_at) if self._include_stop else 0
                 self._unsent = self._unsent[:stop_at]
                 self.stopped = True
                 return self._release(stop_at)
@@ -98,6 +100,10 @@ class OutputText:
         """The earliest stop string in `_unsent[start:]`, as an index into `_unsent`."""
         positions = [p for p in (self._unsent.find(s, start) for s in self._stop) if p >= 0]
         return min(positions, default=None)
+
+    def _matched_len(self, at: int) -> int:
+        """Length of the longest stop string that begins at `_unsent[at]`."""
+        return max(len(s) for s in self._stop if self._unsent.startswith(s, at))
 
     def _partial_stop_len(self) -> int:
         """Length of the longest unsent suffix that is a proper prefix of some stop string."""

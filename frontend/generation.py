@@ -40,9 +40,11 @@ class Generation:
         self.request_id = request_id
         self.job = job
         params = job.sampling_params
-        stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+        stop_token_ids = frozenset() if job.include_stop_str else \
+            frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
         self.choices = [ChoiceOutput(index, tokenizer, job.prompt_token_ids, job.stop,
-                                     params.min_tokens, params.logprobs >= 0, stop_token_ids)
+                                     params.min_tokens, params.logprobs >= 0, stop_token_ids,
+                                     job.include_stop_str)
                         for index in range(params.n)]
         self.prompt_logprobs: dict[int, TokenLogprob] = {}  # by position, when echo asked for them
         self.error_message = ""

@@ -96,6 +96,7 @@ class SamplingFields(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     ignore_eos: bool = DEFAULTS.ignore_eos
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays
     min_tokens: int = _documented(DEFAULTS.min_tokens, minimum=0)
     top_k: int | None = _documented(minimum=-1)  # at most the vocabulary size
     min_p: float | None = _in_range("min_p")

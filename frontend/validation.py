@@ -46,6 +46,7 @@ class GenerationJob:
     stop: list[str]
     stream: bool
     include_usage: bool
+    include_stop_str: bool = False  # the stop string or stop token that ended a choice stays in its text
     echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
     grammar: GrammarSpec | None = None  # the output constraint (AddRequest.grammar), compile-checked
     tool_choice: ToolChoice = ToolChoice("none")  # chat: how tool calls are read from the output
@@ -231,6 +232,7 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         stop=_stop_strings(request.stop),
         stream=bool(request.stream),
         include_usage=bool(request.stream and stream_options and stream_options.include_usage),
+        include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,
         grammar=grammar,
         tool_choice=tool_choice,

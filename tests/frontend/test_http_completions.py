@@ -87,6 +87,9 @@ async def test_a_stop_token_that_ends_the_output_counts_but_its_text_is_left_out
         num_reply = len(engine.reply_token_ids)
         full = tokenizer.decode(engine.reply_token_ids)
         assert await text_and_usage(stop_token_ids=[period]) == (full.removesuffix("."), num_reply)
+        assert await text_and_usage(stop_token_ids=[period], include_stop_str_in_output=True) == (full, num_reply)
+        assert (await text_and_usage(stop="ari"))[0] == "P"
+        assert (await text_and_usage(stop="ari", include_stop_str_in_output=True))[0] == "Pari"
         assert await text_and_usage() == (full, num_reply)  # a stop without a stop token keeps its text
         engine.reply_token_ids = engine.reply_token_ids[1:] + [eos]  # ends with the model's EOS
         assert await text_and_usage() == (tokenizer.decode(engine.reply_token_ids[:-1]), num_reply)

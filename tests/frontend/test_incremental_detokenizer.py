@@ -79,6 +79,12 @@ def test_a_stop_string_that_begins_before_min_tokens_and_ends_after_it_stops(tok
     assert "".join(stream_text(output, token_ids)) == "The " and output.stopped
 
 
+def test_with_include_stop_the_longest_stop_string_matched_ends_the_text(tokenizer):
+    token_ids = tokenizer.encode("The capital of France", add_special_tokens=False)
+    output = OutputText(tokenizer, [5], stop=["cap", "capital", "Fra"], include_stop=True)
+    assert "".join(stream_text(output, token_ids)) == "The capital" and output.stopped
+
+
 def test_a_long_output_streams_the_same_text_and_stops_at_its_end(tokenizer):
     sentence = "Paris is the capital of France, 你好🙂 wörld. "
     body = sentence * 200
