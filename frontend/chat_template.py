@@ -64,6 +64,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
 
 
+# What the renderer sets itself: a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
 def render_chat_template(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
                          special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
                          **extra: Any) -> str:

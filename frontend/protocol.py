@@ -128,7 +128,15 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatRendering(_Strict):
+    """How the conversation becomes the prompt (HF apply_chat_template's switches, as vLLM takes them)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message: the model continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template, e.g. enable_thinking
+
+
+class ChatCompletionRequest(SamplingFields, ChatRendering):
     model_config = ConfigDict(json_schema_extra={"required": ["messages"]})
     messages: list[ChatMessage] = Field(default_factory=list, json_schema_extra={"minItems": 1})
     max_completion_tokens: int | None = _documented(minimum=1)
@@ -137,16 +145,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # checked by frontend/tools.py
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatRendering):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # with messages: rendered as the chat endpoint renders them
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Strict):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from frontend.errors import bad_request, from_validation_error
 from frontend.grammar_check import GrammarCheck
-from frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from frontend.prompt_text import chat_prompt_ids, check_text_fits
+from frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
-from frontend.tool_prompt import render_with_tools
-from frontend.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_choice_grammar
+from frontend.tools import ToolChoice, parse_tool_choice, parse_tools, tool_choice_grammar
 from proto.config import prompt_fits
 from proto.errors import ValidationError
 from proto.grammar import GrammarSpec
@@ -92,8 +92,7 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
         if checker is not None:
             checker.check(forced, "tool_choice")
         grammar = forced
-    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request.add_generation_prompt,
-                                 limits.max_model_len, tools)
+    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, limits.max_model_len, tools)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages")
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
@@ -128,53 +127,6 @@ def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits
     if not token_ids:
         raise bad_request("prompt must not be empty", "prompt")
     return token_ids
-
-
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool,
-                    max_model_len: int, tools: Sequence[Tool] = ()) -> list[int]:
-    """The rendered conversation's token ids; 400 at once when its text alone is certainly longer
-    than `max_model_len` tokens (see `check_text_fits`). Tool calls and tool results in the
-    history, and `tools`, are rendered as frontend/tool_prompt.py says."""
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
-    template_messages = [_template_message(m, i) for i, m in enumerate(messages)]
-    try:
-        text = render_with_tools(tokenizer, template_messages, list(tools), add_generation_prompt)
-    except ValueError as exc:  # ChatTemplateError, or the model has no chat template
-        raise bad_request(str(exc), "messages") from exc
-    check_text_fits(text, tokenizer, max_model_len, "messages")
-    # The template already writes bos and friends, so encoding must not add them again.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
-    """400 without tokenizing when `text` has at least max_model_len tokens by its length alone:
-    tokenizing megabytes costs seconds of CPU for a request that must fail anyway."""
-    at_least = tokenizer.min_num_tokens(text)
-    if not prompt_fits(at_least, max_model_len):
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the "
-                          f"prompt has at least {at_least} tokens ({len(text)} characters, no token "
-                          f"longer than {tokenizer.max_token_bytes} bytes)", param,
-                          "context_length_exceeded")
-
-
-def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
-    """Text parts joined by newlines, as templates written for string content expect."""
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part_index, part in enumerate(content):
-            if part.get("type") != "text":
-                raise bad_request(
-                    f"messages[{index}].content[{part_index}]: only text parts "
-                    f"({{\"type\": \"text\", \"text\": ...}}) are supported, got type {part.get('type')!r}",
-                    f"messages.{index}.content")
-            if not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content[{part_index}]: a text part needs \"text\", a "
-                                  f"string, got {part.get('text')!r}", f"messages.{index}.content")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
 
 
 def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> GrammarSpec | None:

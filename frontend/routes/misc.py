@@ -13,7 +13,8 @@ from frontend.openapi import request_body
 from frontend.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from frontend.state import ServerState, get_state
 from frontend.tools import parse_tools
-from frontend.validation import chat_prompt_ids, check_text_fits, check_token_ids
+from frontend.prompt_text import chat_prompt_ids, check_text_fits
+from frontend.validation import check_token_ids
 
 router = APIRouter()
 
@@ -75,7 +76,7 @@ def _tokenize(body: TokenizeRequest, state: ServerState) -> dict:
         raise bad_request("tools are rendered into a chat prompt: send them with `messages`", "tools")
     if body.messages is not None:
         tools = parse_tools(body.tools, None)  # the shape only: rendering compiles no grammar
-        tokens = chat_prompt_ids(body.messages, state.tokenizer, body.add_generation_prompt, max_model_len, tools)
+        tokens = chat_prompt_ids(body.messages, state.tokenizer, body, max_model_len, tools)
     else:
         check_text_fits(body.prompt, state.tokenizer, max_model_len, "prompt")
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -94,3 +94,46 @@ def test_chat_template_file_wins_over_the_config_entry(rich_model_dir, tmp_path)
 def test_missing_tokenizer_json_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def _prompt_ids(tokenizer: Tokenizer, messages: list[dict], **rendering: object) -> list[int]:
+    from frontend.prompt_text import chat_prompt_ids
+    from frontend.protocol import ChatMessage, ChatRendering
+
+    return chat_prompt_ids([ChatMessage(**m) for m in messages], tokenizer, ChatRendering(**rendering), 512)
+
+
+@pytest.mark.parametrize("which", ["tiny", "rich"])
+def test_continue_final_message_ends_the_prompt_inside_it_like_transformers(tiny_model_dir, rich_model_dir, which):
+    model_dir = tiny_model_dir if which == "tiny" else rich_model_dir
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    ours = _prompt_ids(Tokenizer.from_dir(model_dir), messages, add_generation_prompt=False,
+                       continue_final_message=True)
+    hf = hf_tokenizer(model_dir)
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ours == hf(text, add_special_tokens=False).input_ids
+    assert Tokenizer.from_dir(model_dir).decode(ours, skip_special_tokens=False).endswith("My favourite is")
+
+
+def test_continue_final_message_with_a_generation_prompt_is_refused(tokenizer):
+    from frontend.errors import APIError
+
+    with pytest.raises(APIError, match="cannot both be true") as raised:
+        _prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], continue_final_message=True)
+    assert raised.value.param == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_set_its_own_variables(rich_model_dir, tmp_path):
+    from frontend.errors import APIError
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(rich_model_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ messages[0]['content'] }}{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    user = [{"role": "user", "content": "hey"}]
+    assert tokenizer.decode(_prompt_ids(tokenizer, user)) == "hey"
+    assert tokenizer.decode(_prompt_ids(tokenizer, user, chat_template_kwargs={"enable_thinking": False})) == \
+        "hey /no_think"
+    with pytest.raises(APIError, match="may not set add_generation_prompt, messages"):
+        _prompt_ids(tokenizer, user, chat_template_kwargs={"messages": [], "add_generation_prompt": 1})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.protocol import ChatMessage
+from frontend.protocol import ChatMessage, ChatRendering
 from frontend.tools import parse_tools
-from frontend.validation import chat_prompt_ids
+from frontend.prompt_text import chat_prompt_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -184,7 +184,7 @@ async def test_tokenize_renders_tools_into_the_chat_prompt_as_the_chat_endpoint_
                                                 "parameters": {"type": "object",
                                                                "properties": {"city": {"type": "string"}}}}}]
     with_tools = (await client.post("/tokenize", json={"messages": messages, "tools": tools})).json()
-    expected = chat_prompt_ids([ChatMessage(**m) for m in messages], tokenizer, True, config.max_model_len,
+    expected = chat_prompt_ids([ChatMessage(**m) for m in messages], tokenizer, ChatRendering(), config.max_model_len,
                                parse_tools(tools, None))
     assert with_tools["tokens"] == expected
     assert "get_weather" in tokenizer.decode(with_tools["tokens"])

@@ -106,13 +106,14 @@ def test_malformed_tool_history_is_a_400_naming_the_message(plain: Tokenizer, me
 
 def test_chat_requests_accept_tool_calls_and_tool_results_in_the_history(plain: Tokenizer) -> None:
     from frontend.protocol import ChatMessage
-    from frontend.validation import chat_prompt_ids
+    from frontend.protocol import ChatRendering
+    from frontend.prompt_text import chat_prompt_ids
 
     messages = [ChatMessage.model_validate(m) for m in
                 [*HISTORY[:1], {**HISTORY[1], "content": None}, HISTORY[2]]]
-    text = plain.decode(chat_prompt_ids(messages, plain, True, 512), skip_special_tokens=False)
+    text = plain.decode(chat_prompt_ids(messages, plain, ChatRendering(), 512), skip_special_tokens=False)
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert "<tool_response>" in text
     with pytest.raises(APIError) as info:
-        chat_prompt_ids([ChatMessage.model_validate({"role": "tool", "content": "x"})], plain, True, 512)
+        chat_prompt_ids([ChatMessage.model_validate({"role": "tool", "content": "x"})], plain, ChatRendering(), 512)
     assert info.value.param == "messages.0.tool_call_id"
