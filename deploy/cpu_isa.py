@@ -87,11 +87,16 @@ def cpu_isa(flags: frozenset[str], cap: str = "") -> CpuIsa:
     return CpuIsa(detected, level, "avx_ne_convert" in flags and "avx2" in flags)
 
 
-def choose_dtype(requested: str, isa: CpuIsa, on_gpu: bool) -> tuple[str, str]:
-    """(dtype, why): the decision table of --dtype. auto is bf16 where bf16 runs natively, fp32
-    otherwise; an explicit bfloat16 on a CPU without it still runs (bf16 storage, emulated
+def choose_dtype(requested: str, isa: CpuIsa, on_gpu: bool,
+                 gpu_capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """(dtype, why): the decision table of --dtype. auto is bf16 where bf16 runs natively (a CPU
+    with it, a CUDA GPU of compute capability 8.0 or later, or one whose capability is unknown),
+    fp32 otherwise; an explicit bfloat16 on a CPU without it still runs (bf16 storage, emulated
     matmuls) and the reason says so."""
     if on_gpu:
+        if requested == "auto" and gpu_capability is not None and gpu_capability < (8, 0):
+            return "float32", (f"auto: CUDA GPU of compute capability {gpu_capability[0]}.{gpu_capability[1]} "
+                               "has no native bf16 (it needs 8.0, Ampere or later)")
         return ("bfloat16" if requested == "auto" else requested), f"{requested}: CUDA GPU"
     where = f"CPU ISA {isa.level}" + (f" (capped from {isa.detected})" if isa.capped else "")
     if requested == "auto":
@@ -107,10 +112,10 @@ def choose_dtype(requested: str, isa: CpuIsa, on_gpu: bool) -> tuple[str, str]:
 
 
 def resolve_dtype(config: EngineConfig, on_gpu: bool, environ: Mapping[str, str],
-                  flags: frozenset[str] | None = None) -> EngineConfig:
+                  flags: frozenset[str] | None = None, gpu_capability: tuple[int, int] | None = None) -> EngineConfig:
     """config with dtype resolved (never auto), dtype_reason set and cpu_isa the effective cap
     ('' when uncapped): the cap is config.cpu_isa, else $CONVEYOR_CPU_ISA."""
     isa = cpu_isa(read_cpu_flags() if flags is None else flags,
                   config.cpu_isa or environ.get(CAP_VARIABLE, "").strip())
-    dtype, reason = choose_dtype(config.dtype, isa, on_gpu)
+    dtype, reason = choose_dtype(config.dtype, isa, on_gpu, gpu_capability)
     return config.with_updates(dtype=dtype, dtype_reason=reason, cpu_isa=isa.level if isa.capped else "")

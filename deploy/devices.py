@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from deploy.allocator import allocator_env
@@ -26,6 +28,30 @@ def visible_gpus(environ: dict[str, str] | None = None, driver_dir: Path = _NVID
     if driver_dir.is_dir():
         return [str(i) for i in range(len(list(driver_dir.iterdir())))]
     return []
+
+
+def lowest_compute_capability(gpus: list[str], query: Callable[[], str] | None = None) -> tuple[int, int] | None:
+    """The lowest CUDA compute capability among `gpus` (visible_gpus' ids: indices or UUIDs), from
+    nvidia-smi (`query` returns its CSV: index, uuid, compute_cap per line); None when unknown."""
+    try:
+        text = (query or _nvidia_smi_capabilities)()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = []
+    for line in text.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 3 and (parts[0] in gpus or parts[1] in gpus):
+            try:
+                major, minor = parts[2].split(".")
+                found.append((int(major), int(minor)))
+            except ValueError:
+                continue
+    return min(found, default=None)
+
+
+def _nvidia_smi_capabilities() -> str:
+    return subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=10, check=True).stdout
 
 
 def check_devices(config: EngineConfig, gpus: list[str]) -> None:

@@ -27,7 +27,7 @@ import zmq
 
 from deploy.allocator import allocator_env
 from deploy.cpu_isa import resolve_dtype
-from deploy.devices import check_devices, visible_gpus, worker_env
+from deploy.devices import check_devices, lowest_compute_capability, visible_gpus, worker_env
 from deploy.model_info import ModelError, needs_model_facts, read_model_info, resolve_model_facts
 from deploy.node_group import GroupChannel
 from deploy.placement import check_transport
@@ -86,7 +86,8 @@ class Stack(Replacements):
             check_transport(self.config)
             if needs_model_facts(self.config):  # not from `conveyor serve`
                 self.config = resolve_model_facts(self.config, read_model_info(Path(self.config.model)))
-            self.config = resolve_dtype(self.config, bool(gpus), os.environ)
+            capability = lowest_compute_capability(gpus) if gpus and self.config.dtype == "auto" else None
+            self.config = resolve_dtype(self.config, bool(gpus), os.environ, gpu_capability=capability)
             malloc = allocator_env(dict(os.environ)).get("LD_PRELOAD", "glibc's malloc")
         except (ModelError, ValidationError) as exc:
             raise StartupError(str(exc)) from exc

@@ -55,8 +55,27 @@ def test_explicit_bf16_without_native_bf16_runs_and_says_it_is_emulated() -> Non
     assert choose_dtype("float32", cpu_isa(ZEN4), on_gpu=False)[0] == "float32"
 
 
-def test_auto_on_a_gpu_is_bf16() -> None:
-    assert choose_dtype("auto", cpu_isa(ZEN3), on_gpu=True) == ("bfloat16", "auto: CUDA GPU")
+def test_auto_on_a_gpu_is_bf16_from_ampere_on_and_fp32_before() -> None:
+    assert choose_dtype("auto", cpu_isa(ZEN3), on_gpu=True) == ("bfloat16", "auto: CUDA GPU")  # unknown
+    assert choose_dtype("auto", cpu_isa(ZEN3), on_gpu=True, gpu_capability=(8, 0))[0] == "bfloat16"
+    dtype, why = choose_dtype("auto", cpu_isa(ZEN3), on_gpu=True, gpu_capability=(7, 5))
+    assert dtype == "float32" and "compute capability 7.5 has no native bf16" in why
+    assert choose_dtype("bfloat16", cpu_isa(ZEN3), on_gpu=True, gpu_capability=(7, 5))[0] == "bfloat16"
+
+
+def test_the_lowest_compute_capability_is_that_of_the_visible_gpus() -> None:
+    from deploy.devices import lowest_compute_capability
+
+    smi = "0, GPU-aaa, 9.0\n1, GPU-bbb, 7.5\n"
+    assert lowest_compute_capability(["0"], lambda: smi) == (9, 0)
+    assert lowest_compute_capability(["0", "1"], lambda: smi) == (7, 5)
+    assert lowest_compute_capability(["GPU-bbb"], lambda: smi) == (7, 5)
+    assert lowest_compute_capability(["0"], lambda: "0, GPU-aaa, [N/A]\n") is None
+
+    def missing() -> str:
+        raise FileNotFoundError("nvidia-smi")
+
+    assert lowest_compute_capability(["0"], missing) is None
 
 
 def test_the_cap_reaches_torch_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
