@@ -37,7 +37,7 @@ from deploy.restarts import RestartBudget
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.messages import ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers
+from proto.control import ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers
 
 log = logging.getLogger("conveyor.deploy")
 

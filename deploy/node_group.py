@@ -15,7 +15,7 @@ import zmq
 from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
-from proto.messages import GroupLost, StartGroup
+from proto.control import GroupLost, StartGroup
 
 log = logging.getLogger("conveyor.deploy")
 

@@ -13,7 +13,7 @@ import logging
 import time
 
 from deploy.children import Child
-from proto.messages import GroupLost, StartGroup
+from proto.control import GroupLost, StartGroup
 
 log = logging.getLogger("conveyor.deploy")
 

@@ -18,7 +18,7 @@ import zmq
 
 from frontend.state import ServerState
 from proto import sockets
-from proto.messages import ProcessFailed, ProcessReady, RestartScheduler
+from proto.control import ProcessFailed, ProcessReady, RestartScheduler
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,7 @@ Channels (one writer role, one reader role each; proto.sockets names what each r
   scheduler -> worker[r] : StepPlan (the same plan to every rank)
   worker    -> scheduler : WorkerReady (every rank, once), StepResult (every rank, every step)
   scheduler -> frontend  : StepOutputs (every step, plus idle heartbeats)
-  any child -> supervisor: ProcessReady, ProcessFailed, RestartWorkers (scheduler only),
-                           RestartScheduler (frontend only)
+The control plane's (to and between supervisors) are in proto.control.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from enum import IntEnum, StrEnum
 import numpy as np
 
 from proto.arrays import BoolArray, Float64Array, Int32Array, UInt8Array, empty
+from proto.control import GroupLost, ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers, StartGroup
 from proto.grammar import GrammarSpec
 from proto.logprobs import LogprobEntries
 from proto.sampling import SamplingParams
@@ -248,29 +248,6 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
-class ProcessReady:
-    name: str
-    pid: int
-    detail: str
-
-
-@dataclass(frozen=True)
-class ProcessFailed:
-    name: str
-    pid: int
-    message: str
-
-
-@dataclass(frozen=True)
-class RestartWorkers:
-    """Scheduler -> supervisor: these ranks are alive but lost a step (hung); kill and replace the
-    worker group. A rank that died needs no message: the supervisor sees its exit itself."""
-
-    ranks: Int32Array  # [num_ranks]
-    reason: str
-
-
-@dataclass(frozen=True)
 class FrontendHello:
     """Frontend -> scheduler, the first message of every frontend process: the requests still
     unfinished belong to an earlier frontend (their clients are gone) and are aborted; `pid` is
@@ -285,35 +262,7 @@ class FrontendHello:
     epoch: int = 0
 
 
-@dataclass(frozen=True)
-class RestartScheduler:
-    """Frontend -> supervisor: the scheduler `pid` has sent nothing (no step, no heartbeat) for
-    longer than the hang bound; kill and replace it (with its worker group). A scheduler that
-    died needs no message: the supervisor sees its exit itself."""
-
-    pid: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class GroupLost:
-    """Supervisor of node `node_rank` > 0 -> node 0's supervisor: a rank of worker group
-    `generation` died here (this node's ranks are stopped); replace the group on every node."""
-
-    node_rank: int
-    generation: int
-    cause: str
-
-
-@dataclass(frozen=True)
-class StartGroup:
-    """Node 0's supervisor -> every other node's: start worker group `generation` (stop the ranks of
-    any older one first). Only node 0 picks generations, so the nodes never disagree on one."""
-
-    generation: int
-    cause: str
-
-
+# Every message type, in tag order (the codec numbers them by position: append only).
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, AbortRequest, StepPlan, StepResult, WorkerReady, StepOutputs,
     ProcessReady, ProcessFailed, RestartWorkers, FrontendHello, GroupLost, StartGroup, RestartScheduler,

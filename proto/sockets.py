@@ -11,9 +11,9 @@ import zmq
 
 from proto import codec, transport
 from proto.config import EngineConfig
-from proto.messages import (AbortRequest, AddRequest, FrontendHello, GroupLost, ProcessFailed,
-                            ProcessReady, RestartScheduler, RestartWorkers, StartGroup, StepOutputs,
-                            StepPlan, StepResult, WorkerReady)
+from proto.control import GroupLost, ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers, StartGroup
+from proto.messages import (AbortRequest, AddRequest, FrontendHello, StepOutputs, StepPlan, StepResult,
+                            WorkerReady)
 
 REQUESTS = "requests"  # frontend -> scheduler (PUSH/PULL)
 OUTPUTS = "outputs"  # scheduler -> frontend (PUSH/PULL)

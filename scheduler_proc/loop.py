@@ -15,8 +15,8 @@ from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.faults import Fault
-from proto.messages import (AbortRequest, AddRequest, FrontendHello, ProcessFailed, ProcessReady,
-                            RestartWorkers, StepOutputs, StepPlan)
+from proto.control import ProcessFailed, ProcessReady, RestartWorkers
+from proto.messages import AbortRequest, AddRequest, FrontendHello, StepOutputs, StepPlan
 from scheduler_proc.admission import startup_capacity_error
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault

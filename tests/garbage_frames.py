@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 from hypothesis import strategies as st
 
-from proto import codec, messages
+from proto import codec, control, messages
 from proto.errors import ProtocolError
 from proto.logprobs import LogprobEntries
 from proto.sampling import SamplingParams
@@ -46,8 +46,8 @@ def valid_messages() -> list[object]:
                              [messages.FinishReason.LENGTH], [""], messages.SchedulerStats(1, 0, 0, 0.25, 0),
                              0.01, 1.0, events=messages.LifecycleEvents(
                                  ["a"], np.zeros(1, I32), np.ones(1, np.uint8), np.ones(1))),
-        messages.ProcessReady("scheduler", 1, "ok"),
-        messages.ProcessFailed("worker0", 2, "no model"),
+        control.ProcessReady("scheduler", 1, "ok"),
+        control.ProcessFailed("worker0", 2, "no model"),
     ]
 
 

@@ -16,7 +16,8 @@ import zmq
 from proto import codec, sockets
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
-from proto.messages import ProcessFailed, ProcessReady, StepPlan, StepResult, WorkerReady
+from proto.control import ProcessFailed, ProcessReady
+from proto.messages import StepPlan, StepResult, WorkerReady
 from worker_proc.faults import FaultInjector
 from worker_proc.null_runner import NullModelRunner
 from worker_proc.runner import ModelRunner, create_runner

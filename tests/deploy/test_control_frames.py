@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from deploy.launcher import Stack
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import ProcessFailed, ProcessReady
+from proto.control import ProcessFailed, ProcessReady
 
 
 @settings(max_examples=150, deadline=None)

@@ -11,7 +11,7 @@ from integration.test_multi_device import free_port_block
 
 from deploy.node_group import NODE0_SILENCE_S, GroupChannel
 from proto.config import EngineConfig
-from proto.messages import StartGroup
+from proto.control import StartGroup
 
 
 def test_another_node_hears_node0s_group_and_names_node0_once_it_falls_silent() -> None:

@@ -18,7 +18,8 @@ import zmq
 
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import AbortRequest, AddRequest, ProcessFailed, ProcessReady
+from proto.control import ProcessFailed, ProcessReady
+from proto.messages import AbortRequest, AddRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

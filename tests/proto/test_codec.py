@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from proto import codec, messages
+from proto import codec, control, messages
 from proto.config import EngineConfig
 from proto.errors import ProtocolError, ValidationError
 from proto.sampling import SamplingParams
@@ -62,8 +62,8 @@ def _assert_equal(a: object, b: object) -> None:
     messages.StepOutputs(-1, ["a", "b"], np.zeros(3, dtype=np.int32), np.zeros(0, dtype=np.int32),
                          [FR.ERROR, FR.STOP], ["the waiting queue is full", ""], _stats(0, 2), 0.0, 1.0,
                          error_codes=np.asarray([messages.ERROR_QUEUE_FULL, 0], dtype=np.uint8)),
-    messages.ProcessReady("scheduler", 1, "ok"),
-    messages.ProcessFailed("worker0", 2, "no model"),
+    control.ProcessReady("scheduler", 1, "ok"),
+    control.ProcessFailed("worker0", 2, "no model"),
 ])
 def test_every_message_round_trips(message: object) -> None:
     _assert_equal(codec.decode(codec.encode(message), type(message)), message)

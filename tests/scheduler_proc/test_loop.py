@@ -16,7 +16,8 @@ import zmq
 
 from loop_harness import NUM_BLOCKS, Frontend, WorkerThread, running_loop
 from proto import codec, sockets
-from proto.messages import AbortRequest, ProcessFailed, ProcessReady, RestartWorkers, StepResult
+from proto.control import ProcessFailed, ProcessReady, RestartWorkers
+from proto.messages import AbortRequest, StepResult
 from scheduler_fakes import TEST_CONFIG
 from scheduler_proc.loop import SchedulerLoop
 from support import caplog_of

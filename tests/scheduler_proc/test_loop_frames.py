@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from loop_harness import running_loop
 
 from proto import codec, sockets
-from proto.messages import ProcessReady
+from proto.control import ProcessReady
 
 PROMPT_LEN = 3
 

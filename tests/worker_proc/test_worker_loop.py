@@ -15,7 +15,8 @@ from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 
 from proto import codec, sockets
 from proto.config import EngineConfig
-from proto.messages import MESSAGE_TYPES, ProcessFailed, ProcessReady, StepResult, WorkerReady
+from proto.control import ProcessFailed, ProcessReady
+from proto.messages import MESSAGE_TYPES, StepResult, WorkerReady
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0
