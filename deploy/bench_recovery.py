@@ -32,7 +32,7 @@ SIGSTOPs the process instead of killing it: it stays, silent, and must be found 
 worker is found by the scheduler when the step outlives --step-timeout; a stopped scheduler by the
 frontend, once it has heard nothing (no step, no heartbeat) for 10 s. Per trial, beside the times
 above: the pause until GET /health turned 503, and what it said (for a worker, `stalled` once the
-step has run for --stall-timeout; for a scheduler, `engine_unavailable` after 5 s of silence,
+step's workers have used no CPU for --stall-timeout; for a scheduler, `engine_unavailable` after 5 s of silence,
 before the frontend reports it at 10 s).
 
     conveyor bench recovery --url http://127.0.0.1:8000 --pid 4242 [--fault hang]
@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout", type=float, default=EngineConfig().step_timeout_s,
                         help="seconds a step may take before its ranks count as hung (as serve's --step-timeout)")
     parser.add_argument("--stall-timeout", type=float, default=EngineConfig().stall_timeout_s,
-                        help="seconds a step may run before /health says 'stalled' (as serve's --stall-timeout)")
+                        help="seconds a step's workers may use no CPU before /health says 'stalled' (as serve's "
+                             "--stall-timeout)")
     parser.add_argument("--trials", type=int, default=None, help="trials, one fault each (3; 1 with --url)")
     parser.add_argument("--kill-after-tokens", type=int, default=30,
                         help="text chunks (a token each, mostly) streamed before the fault")

@@ -61,7 +61,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
                         help="0 = the model's context length")
     parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
-                        help="waiting-queue limit; requests beyond it get 429")
+                        help="waiting-queue limit in sequences (each of a request's n choices is one); "
+                             "requests beyond it get 429")
     parser.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens,
                         help="prompt tokens the waiting queue may hold; requests beyond it get 429 "
                              "(an empty queue takes any prompt that fits the model)")

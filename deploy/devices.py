@@ -30,22 +30,31 @@ def visible_gpus(environ: dict[str, str] | None = None, driver_dir: Path = _NVID
     return []
 
 
-def lowest_compute_capability(gpus: list[str], query: Callable[[], str] | None = None) -> tuple[int, int] | None:
+def lowest_compute_capability(gpus: list[str], query: Callable[[], str] | None = None,
+                              environ: dict[str, str] | None = None) -> tuple[int, int] | None:
     """The lowest CUDA compute capability among `gpus` (visible_gpus' ids: indices or UUIDs), from
-    nvidia-smi (`query` returns its CSV: index, uuid, compute_cap per line); None when unknown."""
+    nvidia-smi (`query` returns its CSV: index, uuid, compute_cap per line); None when unknown.
+    nvidia-smi numbers GPUs in PCI bus order and CUDA, unless CUDA_DEVICE_ORDER=PCI_BUS_ID, does
+    not: an index then matches any GPU, so the lowest of them all is taken."""
+    env = os.environ if environ is None else environ
     try:
         text = (query or _nvidia_smi_capabilities)()
     except (OSError, subprocess.SubprocessError):
         return None
+    indices_match = env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
     found = []
     for line in text.splitlines():
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) == 3 and (parts[0] in gpus or parts[1] in gpus):
-            try:
-                major, minor = parts[2].split(".")
-                found.append((int(major), int(minor)))
-            except ValueError:
-                continue
+        if len(parts) != 3:
+            continue
+        index, uuid, capability = parts
+        if uuid not in gpus and not any(gpu.isdigit() and (gpu == index or not indices_match) for gpu in gpus):
+            continue
+        try:
+            major, minor = capability.split(".")
+            found.append((int(major), int(minor)))
+        except ValueError:
+            continue
     return min(found, default=None)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 from functools import lru_cache
+from collections.abc import Mapping
 from typing import Any
 
 import jinja2
@@ -70,16 +71,19 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_pr
 
 def render_chat_template(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
                          special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
-                         **extra: Any) -> str:
-    """Render `messages` to the prompt text; `special_tokens` holds bos_token, eos_token, ...
+                         extra: Mapping[str, Any] | None = None) -> str:
+    """Render `messages` to the prompt text; `special_tokens` holds bos_token, eos_token, ...;
+    `extra`: more template variables (a request's chat_template_kwargs; none of
+    RESERVED_TEMPLATE_VARIABLES).
 
     `tools` and `documents` are always passed (None when absent) because templates test
     `tools is not none`, exactly as they do under HF's apply_chat_template.
     """
     template = compile_chat_template(source)
-    variables = {"documents": None, **special_tokens, **extra}
+    # One mapping, not keywords: any name (even render's own `self`) is just a template variable.
+    variables = {"documents": None, **special_tokens, **(extra or {}), "messages": messages, "tools": tools,
+                 "add_generation_prompt": add_generation_prompt}
     try:
-        return template.render(messages=messages, tools=tools,
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return template.render(variables)
     except Exception as exc:  # template code fails on odd messages in any way (TypeError, ...)
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc

@@ -85,7 +85,7 @@ class OutputText:
         checking_stops = bool(self._stop) and self.num_tokens >= self._min_tokens
         if checking_stops and new_text:
             # Only a match that ends in the new text is new; all of it lies in the unsent text.
-            stop_at = self._find_stop(max(old_unsent_len - self._max_stop_len + 1, 0))
+            stop_at = self._find_stop(old_unsent_len)
             if stop_at is not None:
                 stop_at += self._matched_len(stop_at) if self._include_stop else 0
                 self._unsent = self._unsent[:stop_at]
@@ -96,10 +96,11 @@ class OutputText:
         # Before min_tokens too: a stop string that begins now may end after it.
         return self._release(len(self._unsent) - self._partial_stop_len())
 
-    def _find_stop(self, start: int) -> int | None:
-        """The earliest stop string in `_unsent[start:]`, as an index into `_unsent`."""
-        positions = [p for p in (self._unsent.find(s, start) for s in self._stop) if p >= 0]
-        return min(positions, default=None)
+    def _find_stop(self, new_from: int) -> int | None:
+        """The earliest stop string that ends in `_unsent[new_from:]` (the new text), as an index
+        into `_unsent`; one that ended before (held back before min_tokens) does not count."""
+        found = (self._unsent.find(s, max(new_from - len(s) + 1, 0)) for s in self._stop)
+        return min((p for p in found if p >= 0), default=None)
 
     def _matched_len(self, at: int) -> int:
         """Length of the longest stop string that begins at `_unsent[at]`."""

@@ -20,8 +20,9 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
 # A queue full now has room within about a step or two; clients (OpenAI's among them) wait this long.
 RETRY_AFTER_S = 1
 # The scheduler's refusal codes (proto ERROR_CODES): a full queue -> the limit that refused (429),
-# and a request that can never run as asked (400). A refused request never ran: it is counted as
-# a rejection, not as a finished request.
+# and a request that can never run as asked (400). A refused request never ran: it is not counted
+# as a finished request (a 429 counts in request_rejected_total; a 400, like the frontend's own
+# validation errors, in neither).
 QUEUE_LIMIT_OF_ERROR_CODE = {"queue_full": "max_num_waiting", "waiting_tokens_full": "max_waiting_tokens"}
 INVALID_REQUEST_ERROR_CODE = "invalid_request"
 REFUSAL_ERROR_CODES = frozenset({*QUEUE_LIMIT_OF_ERROR_CODE, INVALID_REQUEST_ERROR_CODE})

@@ -193,7 +193,7 @@ class Generation:
             self._metrics.record_choice_tokens(len(update.token_ids), latency_s, last_s is None)
             self._last_token_s[choice.index] = received_s
         if update.finish_reason and choice.error_code in REFUSAL_ERROR_CODES:
-            self._rejected = True  # counted by the refusal's answer (request_rejected_total for a 429)
+            self._rejected = True  # never ran: not a finished request (a 429 counts as a rejection)
         elif update.finish_reason:
             self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s,
                                                  choice.num_tokens)

@@ -28,7 +28,7 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, rendering
     template_messages = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
         text = render_with_tools(tokenizer, template_messages, list(tools), rendering.add_generation_prompt,
-                                 **template_kwargs)
+                                 template_kwargs)
     except ValueError as exc:  # ChatTemplateError, or the model has no chat template
         raise bad_request(str(exc), "messages") from exc
     if rendering.continue_final_message:

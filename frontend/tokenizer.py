@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import tokenizers
@@ -70,18 +71,17 @@ class Tokenizer:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
-        """The prompt text for `messages`; raises ChatTemplateError (or ValueError without a template)."""
+                    tools: list[dict[str, Any]] | None = None, extra: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for `messages` (`extra`: more template variables); raises
+        ChatTemplateError (or ValueError without a template)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: use /v1/completions with a plain prompt")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    self.special_tokens, **template_kwargs)
+                                    self.special_tokens, tools, extra)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template already writes bos and friends, so encoding must not add them again.
-        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, even when they are only part of a UTF-8 character."""

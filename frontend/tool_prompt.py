@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from collections.abc import Mapping
 from typing import Any
 
 from frontend.chat_template import ChatTemplateError, render_chat_template
@@ -30,15 +31,15 @@ HERMES_TOOLS_PROMPT = (
 
 
 def render_with_tools(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool],
-                      add_generation_prompt: bool, **template_kwargs: Any) -> str:
+                      add_generation_prompt: bool, extra: Mapping[str, Any] | None = None) -> str:
     """The prompt text of a conversation that may offer tools and hold past calls and results
-    (`template_kwargs`: more variables for the template)."""
+    (`extra`: more variables for the template)."""
     history = [_checked_history_message(m, i) for i, m in enumerate(messages)]
     if tokenizer.chat_template is None or template_renders_tools(tokenizer.chat_template,
                                                                  tuple(sorted(tokenizer.special_tokens.items()))):
         raw_tools = [tool.raw for tool in tools] or None
-        return tokenizer.render_chat(history, add_generation_prompt, tools=raw_tools, **template_kwargs)
-    return tokenizer.render_chat(hermes_messages(history, tools), add_generation_prompt, **template_kwargs)
+        return tokenizer.render_chat(history, add_generation_prompt, raw_tools, extra)
+    return tokenizer.render_chat(hermes_messages(history, tools), add_generation_prompt, extra=extra)
 
 
 @lru_cache(maxsize=8)

@@ -23,10 +23,11 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
     waiting forever: such a request would never fit, however long the others take. An empty
     queue takes any request that can run, so none is refused by the queue bounds forever.
     A resubmission to a replaced scheduler (AddRequest.resume) was admitted once already: the
-    queue limits do not refuse it.
+    queue limits do not refuse it, and a refusal is the server's error (ERROR_NONE), not the
+    client's.
     """
-    if message.resume is not None:
-        return _never_runs(message, config, num_kv_blocks)
+    if message.resume is not None:  # its client sent a valid request long ago: not a 400 now
+        return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
     num_choices = message.sampling_params.n  # each choice waits as a sequence of its own
     if num_waiting and num_waiting + num_choices > config.max_num_waiting:
         return (f"the waiting queue is full: {num_waiting} sequences are waiting, this request adds "

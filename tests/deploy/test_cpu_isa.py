@@ -67,10 +67,12 @@ def test_the_lowest_compute_capability_is_that_of_the_visible_gpus() -> None:
     from deploy.devices import lowest_compute_capability
 
     smi = "0, GPU-aaa, 9.0\n1, GPU-bbb, 7.5\n"
-    assert lowest_compute_capability(["0"], lambda: smi) == (9, 0)
-    assert lowest_compute_capability(["0", "1"], lambda: smi) == (7, 5)
-    assert lowest_compute_capability(["GPU-bbb"], lambda: smi) == (7, 5)
-    assert lowest_compute_capability(["0"], lambda: "0, GPU-aaa, [N/A]\n") is None
+    pci_order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert lowest_compute_capability(["0"], lambda: smi, pci_order) == (9, 0)
+    assert lowest_compute_capability(["0"], lambda: smi, {}) == (7, 5)  # CUDA's order may differ: all
+    assert lowest_compute_capability(["0", "1"], lambda: smi, pci_order) == (7, 5)
+    assert lowest_compute_capability(["GPU-aaa"], lambda: smi, {}) == (9, 0)
+    assert lowest_compute_capability(["0"], lambda: "0, GPU-aaa, [N/A]\n", {}) is None
 
     def missing() -> str:
         raise FileNotFoundError("nvidia-smi")

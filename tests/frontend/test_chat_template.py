@@ -137,3 +137,6 @@ def test_chat_template_kwargs_reach_the_template_and_may_not_set_its_own_variabl
         "hey /no_think"
     with pytest.raises(APIError, match="may not set add_generation_prompt, messages"):
         _prompt_ids(tokenizer, user, chat_template_kwargs={"messages": [], "add_generation_prompt": 1})
+    # names of the renderer's own parameters are just more template variables
+    assert tokenizer.decode(_prompt_ids(tokenizer, user, chat_template_kwargs={
+        "tokenizer": 1, "source": 2, "special_tokens": 3, "self": 4, "extra": 5})) == "hey"

@@ -93,7 +93,7 @@ async def test_a_stop_token_that_ends_the_output_counts_but_its_text_is_left_out
         assert await text_and_usage() == (full, num_reply)  # a stop without a stop token keeps its text
         engine.reply_token_ids = engine.reply_token_ids[1:] + [eos]  # ends with the model's EOS
         assert await text_and_usage() == (tokenizer.decode(engine.reply_token_ids[:-1]), num_reply)
-        engine.finish_reason = "length"  # ignore_eos: the EOS was just a token
+        # With ignore_eos the EOS is just a token, even in an output that then stops (on a grammar)
         assert await text_and_usage(ignore_eos=True) == (tokenizer.decode(engine.reply_token_ids), num_reply)
 
 

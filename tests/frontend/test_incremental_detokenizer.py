@@ -79,6 +79,12 @@ def test_a_stop_string_that_begins_before_min_tokens_and_ends_after_it_stops(tok
     assert "".join(stream_text(output, token_ids)) == "The " and output.stopped
 
 
+def test_a_stop_string_that_ends_before_min_tokens_does_not_count_even_when_held_back(tokenizer):
+    token_ids = tokenizer.encode("The capital of France", add_special_tokens=False)
+    output = OutputText(tokenizer, [5], stop=["The", "The dog"], min_tokens=2)  # "The" could grow
+    assert "".join(stream_text(output, token_ids)) == "The capital of France" and not output.stopped
+
+
 def test_with_include_stop_the_longest_stop_string_matched_ends_the_text(tokenizer):
     token_ids = tokenizer.encode("The capital of France", add_special_tokens=False)
     output = OutputText(tokenizer, [5], stop=["cap", "capital", "Fra"], include_stop=True)

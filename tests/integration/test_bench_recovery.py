@@ -31,7 +31,7 @@ def test_a_stopped_worker_of_a_running_server_is_reported_stalled_then_replaced(
     with Stack(config) as stack, supervised(stack):
         worker = next(child.process.pid for child in stack.children if child.module == "worker_proc")
         code, summary = bench(capsys, "--url", stack.url, "--pid", str(worker), "--fault", "hang",
-                              "--kill-after-tokens", "3", "--max-tokens", "24")  # one trial with --url
+                              "--kill-after-tokens", "3", "--max-tokens", "200")  # one trial with --url
         assert code == 0, summary
         assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 1
     trial, = summary["trials"]
@@ -46,7 +46,7 @@ def test_a_stopped_worker_of_a_running_server_is_reported_stalled_then_replaced(
 def test_a_stopped_scheduler_is_found_by_the_frontend_and_replaced(
         tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
     code, summary = bench(capsys, "--model-dir", str(tiny_model_dir), "--process", "scheduler", "--fault",
-                          "hang", "--trials", "1", "--kill-after-tokens", "3", "--max-tokens", "24")
+                          "hang", "--trials", "1", "--kill-after-tokens", "3", "--max-tokens", "200")
     assert code == 0, summary
     trial, = summary["trials"]
     # The frontend reports it after HANG_AFTER_S of silence; /health is 503 before that (alive timeout).

@@ -95,8 +95,7 @@ def test_a_step_idle_past_the_stall_timeout_is_heartbeaten_with_its_age_and_its_
         while beat.stats.step_idle_s < 0.3:  # idle heartbeats, then those of the step rank 1 never answers
             beat = frontend.receive(timeout_s=3.0)
         assert beat.step_id == -1 and beat.stats.step_running_s < 2.5 and beat.stats.workers_serving
-        # (the fake ranks are threads of this process, sampled once a second: not yet seen computing)
-        assert beat.stats.step_idle_s == pytest.approx(beat.stats.step_running_s)
+        assert 0.3 <= beat.stats.step_idle_s <= beat.stats.step_running_s
         restart = codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES)
         assert isinstance(restart, RestartWorkers) and restart.ranks.tolist() == [1]
         assert "no answer within 2.5 s (--step-timeout)" in restart.reason
@@ -107,8 +106,9 @@ def test_a_step_idle_past_the_stall_timeout_is_heartbeaten_with_its_age_and_its_
 
 # The silent rank is given up after this; the replacement's fake worker, a Python thread, must
 # answer its first plan within it too, on a 2-core machine busy with the rest of the suite (0.3 s
-# missed it once in CI, and the loop then replaced the replacement).
-REPLACED_STEP_TIMEOUT_S = 1.0
+# missed it once in CI, 1.0 s once with a second test run beside the suite, and the loop then
+# replaced the replacement).
+REPLACED_STEP_TIMEOUT_S = 2.5
 
 
 def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> None:

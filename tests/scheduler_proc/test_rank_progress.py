@@ -15,13 +15,16 @@ pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"),
 
 
 def child(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code])
+    """A process running `code` once it has started (its start-up's own CPU time is behind it)."""
+    process = subprocess.Popen([sys.executable, "-c", f"print('up', flush=True)\n{code}"],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "up\n"
+    return process
 
 
 def test_a_busy_rank_keeps_the_step_progressing_and_a_blocked_one_makes_it_idle() -> None:
     busy, blocked = child("while True: pass"), child("import threading; threading.Event().wait()")
     try:
-        time.sleep(0.3)  # both started
         started_s = time.monotonic()
         alone, together = RankProgress({0: busy.pid}, started_s), RankProgress({0: busy.pid, 1: blocked.pid}, started_s)
         idle = RankProgress({0: blocked.pid}, started_s)

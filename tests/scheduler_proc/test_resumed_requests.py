@@ -12,7 +12,7 @@ import pytest
 
 from proto import codec
 from proto.errors import ProtocolError
-from proto.messages import AddRequest, ResumedOutputs
+from proto.messages import ERROR_NONE, AddRequest, ResumedOutputs
 from proto.sampling import SamplingParams
 from scheduler_fakes import FakeWorker, Harness, choice_key
 from scheduler_proc.stop import active_bias
@@ -133,6 +133,9 @@ def test_a_resubmission_is_not_refused_by_the_queue_limits() -> None:
 def test_a_resume_that_could_not_have_happened_is_refused_with_the_reason() -> None:
     harness = Harness()
     add_resumed(harness, "big", PROMPT, resume_of([[5000]], [False]), max_tokens=3)
+    refused = harness.engine.drain_outputs()
+    assert refused.error_codes.tolist() in ([], [ERROR_NONE])  # uncoded: the server's error, not a 400
+    harness.log.record(refused)
     harness.run()
     assert harness.log.finish_reasons["big"] == "error" and "out of range" in harness.log.error_messages["big"]
     harness = Harness(max_model_len=12)
