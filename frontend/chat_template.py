@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import datetime
 import json
-from functools import lru_cache
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 import jinja2

@@ -56,7 +56,6 @@ class OutputText:
                  stop: list[str] | None = None, min_tokens: int = 0, include_stop: bool = False) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = [s for s in (stop or []) if s]
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._min_tokens = min_tokens
         self._include_stop = include_stop  # a matched stop string ends the text rather than being cut
         self._sent_pieces: list[str] = []  # text[:num_emitted_chars], as released

@@ -12,8 +12,8 @@ the assistant's content and tool results become `<tool_response>` user turns.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 from frontend.chat_template import ChatTemplateError, render_chat_template

@@ -164,12 +164,16 @@ class WorkerGroup:
                 return rank
         return None
 
+    def local_pids(self) -> dict[int, int]:
+        """rank -> pid of the serving group's ranks on this node (node 0 runs ranks
+        0..workers_per_node-1); the others' pids are of processes on other machines."""
+        return {rank: pid for rank, pid in self.pids.items() if rank < self.config.workers_per_node}
+
     def dead_ranks(self, ranks: list[int]) -> list[int]:
         """Those of `ranks` whose process on this node is gone (remote ranks count as alive: only
         their silence tells)."""
-        local = set(range(self.config.workers_per_node))  # node 0 runs ranks 0..workers_per_node-1
-        return [rank for rank in ranks if rank in local and rank in self.pids
-                and not process_alive(self.pids[rank])]
+        local = self.local_pids()
+        return [rank for rank in ranks if rank in local and not process_alive(local[rank])]
 
     def await_result(self, step_id: int, started_s: float, deadline: float,
                      while_waiting: Callable[[float, float], None]) -> tuple[StepResult | None, list[int]]:
@@ -178,8 +182,7 @@ class WorkerGroup:
         has run, seconds its local ranks have been idle: RankProgress) is called every poll slice;
         a step idle past --stall-timeout is logged."""
         num_ranks, stall_s = self.config.tensor_parallel_size, self.config.stall_timeout_s
-        local = range(self.config.workers_per_node)
-        progress = RankProgress({rank: pid for rank, pid in self.pids.items() if rank in local}, started_s)
+        progress = RankProgress(self.local_pids(), started_s)
         answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
