@@ -45,20 +45,34 @@ def _started_in_background(stack: Stack) -> Iterator:
             stack.__exit__(None, None, None)
 
 
-def test_a_remote_rank_killed_mid_generation_is_replaced_on_both_nodes_and_streams_finish_undisturbed(
-        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _worker_pids(*stacks: Stack) -> set[int]:
+    return {c.process.pid for stack in stacks for c in stack.children if c.module == "worker_proc"}
+
+
+@contextmanager
+def faulted_like_calm(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str,
+                      fault: str) -> Iterator[tuple[Stack, Stack, list[str]]]:
+    """The burst on two calm nodes, then on two nodes with `fault` in `variable` (once): the same
+    texts, no error, and both nodes' ranks replaced in worker group 1. Yields the faulted nodes
+    and the supervisors' log records."""
     with two_nodes(tiny_model_dir, tmp_path / "calm") as (node0, _node1):
         undisturbed = run_burst(node0.url)
-    monkeypatch.setenv("CONVEYOR_FAULT_INJECTION", f"rank=1,step=6,action=kill,once={tmp_path / 'fired'}")
+    monkeypatch.setenv(variable, f"{fault},once={tmp_path / 'fired'}")
     with caplog_of("conveyor.deploy") as records, two_nodes(tiny_model_dir, tmp_path / "fault") as (node0, node1):
-        old = [c.process.pid for stack in (node0, node1) for c in stack.children if c.module == "worker_proc"]
+        old = _worker_pids(node0, node1)
         assert run_burst(node0.url) == undisturbed
         assert (tmp_path / "fired").exists()
         assert node0.config.worker_generation == node1.config.worker_generation == 1
-        new = [c.process.pid for stack in (node0, node1) for c in stack.children if c.module == "worker_proc"]
-        assert not set(new) & set(old)  # both nodes replaced their ranks
-        assert metric_value(node0.url, "conveyor:process_restarts_total", process="worker") == 1
+        assert not _worker_pids(node0, node1) & old  # both nodes replaced their ranks
         assert metric_value(node0.url, "conveyor:request_success_total", finished_reason="error") == 0
+        yield node0, node1, records
+
+
+def test_a_remote_rank_killed_mid_generation_is_replaced_on_both_nodes_and_streams_finish_undisturbed(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with faulted_like_calm(tiny_model_dir, tmp_path, monkeypatch, "CONVEYOR_FAULT_INJECTION",
+                           "rank=1,step=6,action=kill") as (node0, _node1, records):
+        assert metric_value(node0.url, "conveyor:process_restarts_total", process="worker") == 1
     log = "\n".join(records)
     assert "worker1" in log and "SIGKILL" in log and "asking node 0 for a new group" in log, log
     assert "node 1 lost a rank" in log and "node 0 started worker group 1" in log, log
@@ -66,16 +80,9 @@ def test_a_remote_rank_killed_mid_generation_is_replaced_on_both_nodes_and_strea
 
 def test_a_scheduler_killed_mid_generation_is_replaced_with_a_group_both_nodes_join(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with two_nodes(tiny_model_dir, tmp_path / "calm") as (node0, _node1):
-        undisturbed = run_burst(node0.url)
-    monkeypatch.setenv("CONVEYOR_SCHEDULER_FAULT", f"step=6,action=kill,once={tmp_path / 'fired'}")
-    with caplog_of("conveyor.deploy") as records, two_nodes(tiny_model_dir, tmp_path / "fault") as (node0, node1):
-        old = [c.process.pid for c in node1.children if c.module == "worker_proc"]
-        assert run_burst(node0.url) == undisturbed
-        assert (tmp_path / "fired").exists()
-        assert node0.config.worker_generation == node1.config.worker_generation == 1
-        assert not {c.process.pid for c in node1.children if c.module == "worker_proc"} & set(old)
-        assert metric_value(node0.url, "conveyor:request_success_total", finished_reason="error") == 0
+    with faulted_like_calm(tiny_model_dir, tmp_path, monkeypatch, "CONVEYOR_SCHEDULER_FAULT",
+                           "step=6,action=kill") as (_node0, _node1, records):
+        pass
     log = "\n".join(records)
     assert "replacing the scheduler and the worker group with group 1" in log, log
     assert "node 0 started worker group 1 (the scheduler was replaced" in log, log
