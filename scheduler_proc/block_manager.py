@@ -90,7 +90,8 @@ class BlockManager:
                 return True
             if num_new > self.pool.num_free:
                 return False
-            request.add_blocks(self.pool.take(num_new))
+            last = int(request.block_ids[-1]) if len(request.block_ids) else None
+            request.add_blocks(self.pool.take(num_new, after=last))
         else:
             num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
             if max(num_new, 0) + num_revived > self.pool.num_free:

@@ -114,6 +114,29 @@ def test_uncached_free_blocks_are_handed_out_before_any_cached_block_is_evicted(
     manager.check_invariants()
 
 
+def test_a_growing_sequence_takes_the_free_block_right_after_its_last_one() -> None:
+    manager = BlockManager(num_blocks=6, block_size=2)
+    growing, neighbour = make_request("a", 8), make_request("b", [5, 6, 7, 8, 9])
+    assert manager.allocate(growing, 4)  # blocks 0, 1
+    compute(manager, neighbour, 5)  # blocks 2, 3 (both full and cached) and 4
+    manager.free(neighbour)  # 4 is handed out first, then the cached 3 and 2
+    assert manager.allocate(growing, 8)
+    assert growing.block_ids.tolist() == [0, 1, 2, 3]  # one run: 2 and 3 were evicted for it
+    assert manager.pool.num_evictions_total == 2 and manager.pool.num_cached == 0
+    manager.check_invariants()
+
+
+def test_blocks_taken_from_the_free_queue_come_in_ascending_order() -> None:
+    manager = BlockManager(num_blocks=3, block_size=2)
+    first = make_request("a", 7)
+    compute(manager, first, 6)  # three full blocks, cached
+    manager.free(first)  # released tail first: the queue holds 2, 1, 0
+    second = make_request("b", 6)
+    assert manager.allocate(second, 6)
+    assert second.block_ids.tolist() == [0, 1, 2]  # the same run again, not reversed
+    manager.check_invariants()
+
+
 def test_a_request_owing_prompt_logprobs_never_reads_the_cache_but_publishes_its_blocks() -> None:
     manager = BlockManager(num_blocks=10, block_size=4)
     compute(manager, make_request("a", 9), 9)
