@@ -10,6 +10,15 @@ so that the builds share the machine's noise. Cases: one prefill chunk from posi
 the chunk attends to t + 1 positions) and a decode batch (every member one query over the same
 context), on the default model's attention shape unless told otherwise, block tables shuffled
 over the cache. The outputs of every build are compared with the first build's.
+
+    python -m scheduler_proc.tools.block_runs --trace heavy.jsonl --num-kv-blocks 1456 --save-tables t.npz
+    python -m worker_proc.tools.bench_attention --decode-tables t.npz
+
+With --decode-tables, the decode members of a served trace's steps (as block_runs saved them) are
+timed on the first build instead: their tables as the scheduler handed them out, the same tables
+with every block moved to a random place, and with each member's blocks consecutive, the three
+alternating, over several copies of the caches in turn (every layer has its own: a served
+decode finds none of its K and V in the caches).
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from worker_proc.attention.native_build import SOURCE_DIR, build
@@ -63,6 +74,52 @@ def time_builds(kernels: list[PagedAttentionKernel], case: Case, args: argparse.
     return best, [float((o - outputs[0]).abs().max()) for o in outputs]
 
 
+LAYOUTS = ("as served", "shuffled", "consecutive")
+
+
+def served_cases(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> list[tuple[str, dict[str, Case]]]:
+    """Per saved step: its decode members under each of LAYOUTS (one set of caches, blocks of the
+    served pool's size)."""
+    saved = np.load(path)
+    num_blocks, block_size = int(saved["num_kv_blocks"]), int(saved["block_size"])
+    if block_size != args.block_size:
+        raise ValueError(f"{path} holds tables of {block_size}-position blocks; pass --block-size {block_size}")
+    cache_shape = (args.num_kv_heads, num_blocks * block_size, args.head_dim)
+    k_cache, v_cache = torch.randn(cache_shape).to(dtype), torch.randn(cache_shape).to(dtype)
+    steps = []
+    for name in sorted((n for n in saved.files if n.endswith("_tables")), key=lambda n: int(n[4:-7])):
+        tables, contexts = torch.from_numpy(saved[name]), torch.from_numpy(saved[name[:-7] + "_contexts"])
+        lengths = (contexts + block_size - 1) // block_size  # int32 [members]: blocks each one reads
+        used = torch.arange(tables.shape[1])[None, :] < lengths[:, None]  # bool [members, width]
+        shuffled = torch.zeros_like(tables)
+        shuffled[used] = torch.randperm(num_blocks, dtype=torch.int32)[:int(used.sum())]
+        consecutive = torch.zeros_like(tables)
+        consecutive[used] = torch.arange(int(used.sum()), dtype=torch.int32)
+        q = torch.randn(len(contexts), args.num_heads, args.head_dim).to(dtype)
+        members = torch.arange(len(contexts), dtype=torch.int32)
+        cases = {layout: (q, torch.empty_like(q), k_cache, v_cache, table.contiguous(), members, contexts)
+                 for layout, table in zip(LAYOUTS, (tables, shuffled, consecutive))}
+        steps.append((f"{name[:-7]}: {len(contexts)} decodes", cases))
+    return steps
+
+
+def time_layouts(kernel: PagedAttentionKernel, cases: dict[str, Case], args: argparse.Namespace) -> dict[str, float]:
+    """Each layout's fastest call in ms, the layouts alternating, each call on the next of
+    args.cache_copies copies of the caches (so no call finds the last one's K and V cached)."""
+    k_cache, v_cache = next(iter(cases.values()))[2:4]
+    copies = [(k_cache.clone(), v_cache.clone()) for _ in range(args.cache_copies)]
+    best = dict.fromkeys(cases, float("inf"))
+    calls = 0
+    for _ in range(args.repeats):
+        for layout, (q, out, _, _, tables, members, contexts) in cases.items():
+            k_copy, v_copy = copies[calls % len(copies)]
+            calls += 1
+            start = time.perf_counter()
+            kernel(q, out, k_copy, v_copy, tables, members, contexts, args.block_size, args.num_threads)
+            best[layout] = min(best[layout], time.perf_counter() - start)
+    return {layout: round(seconds * 1e3, 3) for layout, seconds in best.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker_proc.tools.bench_attention", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,11 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--decode-tables", type=Path,
+                        help="an .npz from scheduler_proc.tools.block_runs: time its steps' decodes instead")
+    parser.add_argument("--cache-copies", type=int, default=4, help="with --decode-tables: caches in turn")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.num_threads)
     sources = [Path(part) for part in args.sources.split(",") if part]
     kernels = [PagedAttentionKernel(ctypes.CDLL(str(build(source_dir=s))), s, None) for s in sources]
+    if args.decode_tables:
+        for dtype_name in args.dtypes.split(","):
+            try:
+                steps = served_cases(args.decode_tables, args, DTYPES[dtype_name])
+            except (ValueError, OSError, KeyError) as exc:
+                print(f"bench_attention: {args.decode_tables}: {exc}", file=sys.stderr)
+                return 2
+            for label, cases in steps:
+                print(json.dumps({"dtype": dtype_name, "case": label, "ms": time_layouts(kernels[0], cases, args)}),
+                      flush=True)
+        return 0
     rows = []
     for dtype_name in args.dtypes.split(","):
         for kind in ("prefill", "decode"):

@@ -1,0 +1,33 @@
+"""bench_attention on a served trace's decode tables (scheduler_proc.tools.block_runs' file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker_proc.tools import bench_attention
+
+
+def _save(path: Path, block_size: int) -> None:
+    tables = np.array([[3, 4, 0], [7, 1, 2]], dtype=np.int32)  # member 0 reads 2 blocks, member 1 three
+    np.savez(path, num_kv_blocks=np.array(10), block_size=np.array(block_size),
+             step5_tables=tables, step5_contexts=np.array([20, 40], dtype=np.int32))
+
+
+def test_each_saved_step_is_timed_as_served_shuffled_and_consecutive(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _save(tmp_path / "t.npz", 16)
+    assert bench_attention.main(["--decode-tables", str(tmp_path / "t.npz"), "--dtypes", "float32",
+                                 "--repeats", "2", "--cache-copies", "2", "--num-threads", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["case"] for row in rows] == ["step5: 2 decodes"]
+    assert set(rows[0]["ms"]) == set(bench_attention.LAYOUTS) and min(rows[0]["ms"].values()) > 0
+
+
+def test_tables_of_another_block_size_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _save(tmp_path / "t.npz", 32)
+    assert bench_attention.main(["--decode-tables", str(tmp_path / "t.npz"), "--dtypes", "float32"]) == 2
+    assert "pass --block-size 32" in capsys.readouterr().err
