@@ -1,7 +1,9 @@
-"""The native skinny linear (the linears of decode steps) equals F.linear at every ISA level this
-CPU can run that has it, for every row count's block split, ragged shapes (a partial last panel,
-several k blocks), a bias and strided rows; a model packed with it serves decode steps through it
-and larger ones through oneDNN, its LM head every step; bad input is an error naming it."""
+"""The native skinny linear (the linears of decode steps, and of every step where AVX2 is the widest
+fp32 path) equals F.linear at every ISA level this CPU can run that has it, for every row count's
+block split (the packed-rows path above 256 rows too), ragged shapes (a partial last panel, several
+k blocks), a bias and strided rows; a model packed with it serves decode steps through it and
+larger ones through oneDNN, or all of them through it where it serves all rows, its LM head every
+step; bad input is an error naming it."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from native_levels import LEVEL_IDS, VECTOR_LEVELS, vectorised_or_skip
+from native_levels import LEVEL_IDS, MACHINE, VECTOR_LEVELS, vectorised_or_skip
 from worker_plans import tiny_engine_config
 
+from deploy.cpu_isa import rank
 from worker_proc.attention import native_kernel
 from worker_proc.layers import skinny
 from worker_proc.runner import ModelRunner
@@ -29,7 +32,7 @@ def kernel(request: pytest.FixtureRequest) -> skinny.SkinnyLinear:
     return kernel_for(request.param)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 37, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 37, 130, 257, 302, 611])
 @pytest.mark.parametrize("out_features,in_features", [(7, 13), (20, 64), (960, 576), (3, 8), (1, 1), (33, 600)])
 def test_equals_f_linear_for_every_row_count_and_ragged_shape(kernel: skinny.SkinnyLinear, rows: int,
                                                               out_features: int, in_features: int) -> None:
@@ -40,13 +43,22 @@ def test_equals_f_linear_for_every_row_count_and_ragged_shape(kernel: skinny.Ski
     torch.testing.assert_close(kernel.pack(weight)(x, None), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_a_bias_is_added_and_rows_may_lie_apart(kernel: skinny.SkinnyLinear) -> None:
+@pytest.mark.parametrize("rows", [5, 300], ids=["panels split", "rows packed"])
+def test_a_bias_is_added_and_rows_may_lie_apart(kernel: skinny.SkinnyLinear, rows: int) -> None:
     generator = torch.Generator().manual_seed(3)
-    wide = torch.randn(5, 100, generator=generator)
+    wide = torch.randn(rows, 100, generator=generator)
     x = wide[:, 10:74]  # rows 100 elements apart, 64 used
     weight, bias = torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator)
     expected = F.linear(x.double(), weight.double(), bias.double()).float()
     torch.testing.assert_close(kernel.pack(weight)(x, bias), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_rows_take_inputs_in_several_blocks(kernel: skinny.SkinnyLinear) -> None:
+    generator = torch.Generator().manual_seed(5)  # 3100 inputs: blocks of 1536, 1536 and 28
+    x, weight = torch.randn(270, 3100, generator=generator), torch.randn(24, 3100, generator=generator)
+    bias = torch.randn(24, generator=generator)
+    expected = F.linear(x.double(), weight.double(), bias.double()).float()
+    torch.testing.assert_close(kernel.pack(weight)(x, bias), expected, rtol=1e-5, atol=1e-3)
 
 
 def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> None:
@@ -81,15 +93,22 @@ def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureF
         assert skinny.skinny_linear_for(torch.float32, "avx2") is not None
 
 
-def test_a_packed_model_runs_decode_steps_through_the_kernel_and_larger_ones_through_onednn(
+@pytest.mark.parametrize("level", VECTOR_LEVELS, ids=LEVEL_IDS)
+def test_the_kernel_serves_every_step_only_where_avx2_is_the_widest_fp32_path(level: str) -> None:
+    widest = MACHINE.detected if level == "" else level
+    assert kernel_for(level).all_rows == (rank(widest) < rank("avx512"))
+
+
+def test_a_packed_model_runs_decode_steps_through_the_kernel_and_larger_ones_where_it_is_fastest(
         tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel_for("")
+    all_rows = kernel_for("").all_rows
     config = tiny_engine_config(tiny_model_dir)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
     runner = ModelRunner(config, rank=0, show_progress=False)
     layer, weight = runner.model.model.layers[0].mlp.down_proj, plain.model.layers[0].mlp.down_proj.weight.detach()
     lm_head, table = runner.model.lm_head, plain.lm_head.weight.detach()
-    assert layer.skinny is not None and layer.weight.numel() == 0 and layer.packed_weight is not None
+    assert layer.skinny is not None and layer.weight.numel() == 0
+    assert (layer.packed_weight is None) == all_rows  # no oneDNN copy where the kernel serves all rows
     assert lm_head.skinny is not None and lm_head.packed_weight is None
     calls = []
     real = skinny.SkinnyWeight.__call__
@@ -97,7 +116,7 @@ def test_a_packed_model_runs_decode_steps_through_the_kernel_and_larger_ones_thr
     for rows in (1, skinny.MAX_ROWS, skinny.MAX_ROWS + 1, 300):
         x = torch.randn(rows, weight.shape[1])
         torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-4, atol=1e-4)
-    assert calls == [1, skinny.MAX_ROWS]
+    assert calls == ([1, skinny.MAX_ROWS, skinny.MAX_ROWS + 1, 300] if all_rows else [1, skinny.MAX_ROWS])
     hidden = torch.randn(300, table.shape[1])
     torch.testing.assert_close(lm_head.compute_logits(hidden), F.linear(hidden, table), rtol=1e-4, atol=1e-4)
     assert calls[-1] == 300

@@ -1,25 +1,35 @@
-/* y = x W^T (+ bias) for the rows of a decode step: 1 to a few dozen rows of x.
+/* y = x W^T (+ bias) on the CPU's fp32 vector units: the rows of a decode step, and on a CPU
+ * whose widest fp32 vectors are AVX2's, every step.
  *
  * oneDNN's and MKL's fp32 GEMMs are tuned for many rows; at 1-64 rows (a decode step) they reach a
  * fraction of what this CPU computes, and at 1-16 a fraction of what streaming the weight allows.
  * Here W is stored once in panels of PANEL output features, k-major: panel p holds W[16p..16p+15, :]
  * as [k][16], so one k of a panel is two 8-lane vectors (skinny_pack in layers/skinny.py writes it).
- * Each thread takes a range of panels; for each block of KC inputs, the panel's block (16 KB) stays
- * in L1 while every MR rows of x pass over it, keeping their MR x 16 outputs in 12 registers and
- * broadcasting one x element per row and k: 12 FMAs per two weight loads. W is read from memory once
- * per call. Layouts: x [m, k] with rows x_stride apart, panels [ceil(n / 16), k, 16] (the last
- * panel's missing features zero), y [m, n] contiguous, all fp32.
+ * Each tile keeps MR rows x 16 outputs in 12 registers and broadcasts one x element per row and k:
+ * 12 FMAs per two weight loads.
+ *
+ * Up to PACK_ROWS rows: each thread takes a range of panels; for each block of KC inputs, the
+ * panel's block (16 KB) stays in L1 while every MR rows of x pass over it. W is read from memory
+ * once per call. More rows: each thread takes its share of the rows, MC at a time, copies each
+ * block of KC_PACKED inputs of them into its own buffer as [k][MR] per MR rows (one k of a tile is
+ * then one 24-byte read, and the block stays in L2), and runs every panel over it; the threads need
+ * no barrier. On the default model's shapes at 2048 rows this runs at 1.1-1.3x oneDNN's fp32 rate
+ * on an AVX2-only CPU (docs/benchmarks.md, "Prompt linears"). Layouts: x [m, k] with rows x_stride
+ * apart, panels [ceil(n / 16), k, 16] (the last panel's missing features zero), y [m, n]
+ * contiguous, all fp32.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-enum { SKINNY_OK = 0, SKINNY_BAD_SHAPE = -1, SKINNY_UNSUPPORTED = -2 };
+enum { SKINNY_OK = 0, SKINNY_BAD_SHAPE = -1, SKINNY_UNSUPPORTED = -2, SKINNY_NO_MEMORY = -3 };
 enum { PANEL = 16 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <omp.h>
 
-enum { MR = 6, KC = 256 };
+enum { MR = 6, KC = 256, PACK_ROWS = 256, MC = 96, KC_PACKED = 1536 };
 
 /* 16 floats from src, of which the first n_valid exist (the rest read as zero). */
 static inline void load16(const float *src, int n_valid, __m256 *lo, __m256 *hi) {
@@ -44,9 +54,10 @@ static inline void store16(float *dst, int n_valid, __m256 lo, __m256 hi) {
 }
 
 /* Adds (first: stores) the mr x 16 block of x[0..mr) . panel[0..kc) to y; bias (at the last k
- * block only) is added too. mr is a constant at each call, so the accumulators stay in registers;
- * only n_valid of the 16 features are written. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, int mr,
+ * block only) is added too. Row i's input t is x[i * rs + t * ks] (rs = the row stride and ks = 1,
+ * or packed rows: rs = 1, ks = MR). mr is a constant at each call, so the accumulators stay in
+ * registers; only n_valid of the 16 features are written. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t rs, int64_t ks, int mr,
                                                        const float *panel, int64_t kc, float *y,
                                                        int64_t y_stride, int n_valid, int first,
                                                        const float *bias) {
@@ -58,7 +69,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         __m256 w0 = _mm256_loadu_ps(panel + t * PANEL), w1 = _mm256_loadu_ps(panel + t * PANEL + 8);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t);
+            __m256 xv = _mm256_broadcast_ss(x + i * rs + t * ks);
             lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
             hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
         }
@@ -81,27 +92,77 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     }
 }
 
-/* Every row of x against one k block of one panel, MR rows at a time (the last block shorter). */
-static void rows_by_panel(const float *x, int64_t x_stride, int64_t m, const float *panel, int64_t kc,
-                          float *y, int64_t y_stride, int n_valid, int first, const float *bias) {
+/* Every row of x against one k block of one panel, MR rows at a time (the last block shorter);
+ * row i's input t at x[i * rs + t * ks] as in tile, a packed group of MR rows mr_step apart. */
+static inline __attribute__((always_inline)) void rows_by_panel(const float *x, int64_t rs, int64_t ks,
+                                                                int64_t mr_step, int64_t m, const float *panel,
+                                                                int64_t kc, float *y, int64_t y_stride,
+                                                                int n_valid, int first, const float *bias) {
     for (int64_t m0 = 0; m0 < m; m0 += MR) {
-        const float *xr = x + m0 * x_stride;
+        const float *xr = x + m0 / MR * mr_step;
         float *yr = y + m0 * y_stride;
         switch (m - m0 < MR ? (int)(m - m0) : MR) {
-        case 1: tile(xr, x_stride, 1, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 2: tile(xr, x_stride, 2, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 3: tile(xr, x_stride, 3, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 4: tile(xr, x_stride, 4, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 5: tile(xr, x_stride, 5, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        default: tile(xr, x_stride, MR, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 1: tile(xr, rs, ks, 1, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 2: tile(xr, rs, ks, 2, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 3: tile(xr, rs, ks, 3, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 4: tile(xr, rs, ks, 4, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 5: tile(xr, rs, ks, 5, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        default: tile(xr, rs, ks, MR, panel, kc, yr, y_stride, n_valid, first, bias); break;
         }
     }
+}
+
+/* Rows [m0, m1) of x, inputs [k0, k0 + kc), into buf as [kc][MR] per MR rows (a short last group
+ * keeps the stride; its missing rows are never read). */
+static void pack_rows(const float *x, int64_t x_stride, int64_t m0, int64_t m1, int64_t k0, int64_t kc,
+                      float *buf) {
+    for (int64_t r0 = m0; r0 < m1; r0 += MR) {
+        float *dst = buf + (r0 - m0) / MR * MR * kc;
+        int mr = m1 - r0 < MR ? (int)(m1 - r0) : MR;
+        for (int i = 0; i < mr; i++) {
+            const float *src = x + (r0 + i) * x_stride + k0;
+            for (int64_t t = 0; t < kc; t++)
+                dst[t * MR + i] = src[t];
+        }
+    }
+}
+
+/* The path for more than PACK_ROWS rows (see the top of the file). */
+static int packed_rows(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();  /* may be fewer than asked */
+        float *buf = aligned_alloc(64, (size_t)MC * KC_PACKED * sizeof(float));
+        failed = buf == NULL;
+        int64_t end = groups * (t + 1) / nt * MR < m ? groups * (t + 1) / nt * MR : m;
+        for (int64_t m0 = groups * t / nt * MR; buf != NULL && m0 < end; m0 += MC) {
+            int64_t m1 = m0 + MC < end ? m0 + MC : end;
+            for (int64_t k0 = 0; k0 < k; k0 += KC_PACKED) {
+                int64_t kc = k - k0 < KC_PACKED ? k - k0 : KC_PACKED;
+                pack_rows(x, x_stride, m0, m1, k0, kc, buf);
+                for (int64_t p = 0; p < num_panels; p++) {
+                    int64_t n0 = p * PANEL;
+                    int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
+                    const float *b = bias && k0 + kc == k ? bias + n0 : 0;
+                    rows_by_panel(buf, 1, MR, MR * kc, m1 - m0, panels + (p * k + k0) * PANEL, kc,
+                                  y + m0 * n + n0, n, n_valid, k0 == 0, b);
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? SKINNY_NO_MEMORY : SKINNY_OK;
 }
 
 int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m < 1 || n < 1 || k < 1 || x_stride < k)
         return SKINNY_BAD_SHAPE;
+    if (m > PACK_ROWS)
+        return packed_rows(x, x_stride, panels, bias, y, m, n, k, num_threads);
     int64_t num_panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < num_panels; p++) {
@@ -110,14 +171,24 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             int64_t kc = k - k0 < KC ? k - k0 : KC;
             const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-            rows_by_panel(x + k0, x_stride, m, panels + (p * k + k0) * PANEL, kc, y + n0, n, n_valid,
-                          k0 == 0, b);
+            rows_by_panel(x + k0, x_stride, 1, MR * x_stride, m, panels + (p * k + k0) * PANEL, kc, y + n0,
+                          n, n_valid, k0 == 0, b);
         }
     }
     return SKINNY_OK;
 }
 
 int skinny_linear_supported(void) { return 1; }
+
+/* 1 when no wider fp32 vectors than AVX2's were compiled for (-march of an AVX2-only CPU, or an
+ * avx2 cap): oneDNN has nothing wider either, and this kernel then serves steps of every size. */
+int skinny_linear_all_rows(void) {
+#ifdef __AVX512F__
+    return 0;
+#else
+    return 1;
+#endif
+}
 
 #else
 
@@ -128,5 +199,7 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
 }
 
 int skinny_linear_supported(void) { return 0; }
+
+int skinny_linear_all_rows(void) { return 0; }
 
 #endif

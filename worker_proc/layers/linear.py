@@ -77,8 +77,9 @@ class LinearBase(nn.Module):
 
     def pack_for_cpu(self, skinny: SkinnyLinear | None = None) -> None:
         """Call once, after loading. Afterwards `weight` holds no data: oneDNN's packed copy runs
-        the steps, and with `skinny` its own copy runs those of up to skinny.MAX_ROWS rows."""
-        self.packed_weight = prepack(self.weight)
+        the steps, and with `skinny` its own copy runs those of up to skinny.MAX_ROWS rows, or
+        every step where it serves all rows (skinny.all_rows; then no oneDNN copy is kept)."""
+        self.packed_weight = None if skinny is not None and skinny.all_rows else prepack(self.weight)
         self.skinny = None if skinny is None else skinny.pack(self.weight)
         self.weight.data = self.weight.data.new_empty(0)
 

@@ -1,10 +1,12 @@
 """The native skinny linear (worker_proc/csrc/skinny_linear.c): y = x W^T for the rows of a decode
-step, fp32 on AVX2 + FMA or better.
+step, fp32 on AVX2 + FMA or better, and for every step where AVX2 is the widest fp32 path.
 
-oneDNN's prepacked GEMM runs a 2048-row prefill near this machine's peak, but a decode step (1-64
-rows) at a fraction of it, and 1-16 rows at a fraction of what streaming the weight allows. The
-kernel keeps its own copy of W in panels of 16 output features (pack_panels) beside oneDNN's
-packed one; the layer's plain weight is dropped. SmolLM2-135M: docs/benchmarks.md "Decode linears".
+oneDNN's prepacked GEMM runs a decode step (1-64 rows) at a fraction of this machine's peak, and
+1-16 rows at a fraction of what streaming the weight allows. The kernel keeps its own copy of W in
+panels of 16 output features (pack_panels); the layer's plain weight is dropped. Where the library
+was built with AVX-512, oneDNN's packed copy beside it runs steps of more than MAX_ROWS rows; built
+for AVX2 (all_rows), the kernel's row-packing path runs them, faster than oneDNN there, and no
+oneDNN copy is kept. SmolLM2-135M: docs/benchmarks.md "Decode linears" and "Prompt linears".
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 256  # above this oneDNN's packed GEMM is faster (docs/benchmarks.md)
+MAX_ROWS = 256  # above this oneDNN's packed GEMM is faster, unless the kernel serves all rows (all_rows)
 PANEL = 16  # output features per panel of the packed weight (csrc/skinny_linear.c)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_NO_MEMORY = -3  # csrc/skinny_linear.c: SKINNY_NO_MEMORY
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -39,6 +42,9 @@ class SkinnyLinear:
         self._linear.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
         self._linear.restype = ctypes.c_int
         self.num_threads_cap = num_threads_cap
+        # Built with no fp32 vectors wider than AVX2's: then it serves steps of every size, faster
+        # than oneDNN there (docs/benchmarks.md, "Prompt linears"), and layers keep no oneDNN copy.
+        self.all_rows = bool(library.skinny_linear_all_rows())
 
     def pack(self, weight: torch.Tensor) -> SkinnyWeight:
         """weight: fp32 [n, k], the layer's plain weight (not kept)."""
@@ -70,6 +76,8 @@ class SkinnyLinear:
         row_stride = x.stride(0) if m > 1 else k  # a lone row's stride is never used
         status = self._linear(x.data_ptr(), row_stride, panels.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, num_threads)
+        if status == _NO_MEMORY:
+            raise MemoryError(f"skinny linear: no memory for its row buffers (x {tuple(x.shape)})")
         if status != 0:
             raise ValueError(f"skinny linear refused x {tuple(x.shape)} and panels {tuple(panels.shape)} "
                              f"(status {status})")
@@ -97,6 +105,10 @@ def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
     if isinstance(found, str):
         log.info("linears: oneDNN only (%s)", found)
         return None
-    log.info("linears: steps of at most %d rows through the native skinny linear, larger ones through "
-             "oneDNN prepacked; the LM head through the skinny linear", MAX_ROWS)
-    return SkinnyLinear(*found)
+    kernel = SkinnyLinear(*found)
+    if kernel.all_rows:
+        log.info("linears: every step through the native skinny linear (no fp32 vectors wider than AVX2's)")
+    else:
+        log.info("linears: steps of at most %d rows through the native skinny linear, larger ones through "
+                 "oneDNN prepacked; the LM head through the skinny linear", MAX_ROWS)
+    return kernel
