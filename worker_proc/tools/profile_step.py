@@ -5,7 +5,8 @@
 
 First the machine's peak: GFLOP/s of the model's own matmul shapes (fp32 and bf16, as the worker
 runs them: oneDNN-prepacked where oneDNN packs that dtype, the LM head through the skinny linear
-where the worker has it) and memory GB/s (reading a large tensor; a copy's read + write rate is
+where the worker has it, and every fp32 shape where that serves all rows; oneDNN's fp32 figures
+beside them) and memory GB/s (reading a large tensor; a copy's read + write rate is
 reported beside it). Then steps of the real ModelRunner (a prefill chunk, decode steps at each
 batch size), every call timed into one category by exclusive wall time (tools.stopwatch): linears,
 LM head, attention, norms, rope, activations (silu * up), embedding, layer glue (views, splits, the
@@ -67,13 +68,14 @@ def best_seconds(fn: object, repeats: int) -> float:
 def matmul_gflops(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, rows: int,
                   skinny: SkinnyLinear | None) -> dict[str, float]:
     """GFLOP/s of rows x in @ in x out per shape, the way the worker runs that dtype at `rows` rows
-    (the LM head through `skinny`, the worker's kernel for it, when given)."""
+    (through `skinny`, the worker's kernel, when given: for the LM head, and for every shape where
+    it serves all rows; pass None for oneDNN's figures)."""
     packed = cpu_prepack_supported(dtype)
     result = {}
     for name, (in_features, out_features) in shapes.items():
         x = torch.randn(rows, in_features).to(dtype)
         weight = torch.randn(out_features, in_features).to(dtype)
-        if name == "lm_head" and skinny is not None and dtype == torch.float32:
+        if skinny is not None and dtype == torch.float32 and (name == "lm_head" or skinny.all_rows):
             run = lambda w=skinny.pack(weight): w(x, None)  # noqa: E731
         elif packed:
             run = lambda w=prepack(weight): packed_linear(x, w, None)  # noqa: E731
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = {"threads": torch.get_num_threads(), "memory_gbps": bandwidth["read"],
             "memory_copy_gbps": bandwidth["copy"],
             "float32_gflops": matmul_gflops(shapes, torch.float32, 1024, skinny),
+            "float32_onednn_gflops": matmul_gflops(shapes, torch.float32, 1024, None),
             "bfloat16_gflops": matmul_gflops(shapes, torch.bfloat16, 1024, skinny)}
     peak_gflops = max(peak[f"{args.dtype}_gflops"].values())
     watch = Stopwatch()
