@@ -63,6 +63,15 @@ def post_in_background(url: str, body: dict) -> tuple[threading.Thread, list[htt
     return thread, results
 
 
+def wait_for_health(url: str) -> None:
+    """Ready means listening; /health turns 200 once the frontend has heard from the scheduler
+    (its first heartbeat may land after the readiness report on a loaded machine)."""
+    deadline = time.monotonic() + 10
+    while (status := httpx.get(f"{url}/health").status_code) != 200:
+        assert status == 503 and time.monotonic() < deadline, f"/health stayed {status}"
+        time.sleep(0.02)
+
+
 def wait_for_add_request(scheduler) -> None:
     deadline = time.monotonic() + 10
     while not any(isinstance(m, AddRequest) for m in scheduler.received):
@@ -78,7 +87,7 @@ def test_frontend_reports_ready_serves_and_drains_on_sigterm(tiny_model_dir, run
         ready = report(control, process)
         assert isinstance(ready, ProcessReady) and ready.name == "frontend" and ready.pid == process.pid
         url = ready.detail
-        assert httpx.get(f"{url}/health").status_code == 200
+        wait_for_health(url)
         in_flight, results = post_in_background(url, {"prompt": [5, 6], "max_tokens": 2})
         wait_for_add_request(fake_scheduler)
         process.send_signal(signal.SIGTERM)
@@ -101,6 +110,7 @@ def test_requests_still_running_at_the_shutdown_timeout_are_aborted_with_an_answ
     process = start_frontend(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=0.5))
     try:
         url = report(control, process).detail
+        wait_for_health(url)
         held, results = post_in_background(url, {"prompt": [0, 1]})  # never answered
         wait_for_add_request(fake_scheduler)
         process.send_signal(signal.SIGTERM)

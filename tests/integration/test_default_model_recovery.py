@@ -22,9 +22,11 @@ PROMPTS = [f"Request {i}. Write one sentence about {SUBJECTS[i % len(SUBJECTS)]}
 
 
 def default_config() -> EngineConfig:
+    """fp32 on every CPU: the same text after recovery is promised where a token's numerics do not
+    depend on how its KV was computed (docs/reliability.md, "Which text after a recovery")."""
     model_dir = default_model_dir()
     info = read_model_info(model_dir)
-    return EngineConfig(model=str(model_dir), served_model_name="smollm2", vocab_size=info.vocab_size,
+    return EngineConfig(model=str(model_dir), served_model_name="smollm2", dtype="float32", vocab_size=info.vocab_size,
                         eos_token_ids=info.eos_token_ids, max_model_len=2048, port=free_port(),
                         kv_cache_memory_bytes=256 << 20, log_level="warning", step_timeout_s=30.0)
 
