@@ -1,5 +1,5 @@
-"""Test helper: the ISA levels this CPU can build the native library's fp32 vector paths at, and
-the library built at one of them (or the test skipped, with the reason)."""
+"""Test helper: the ISA levels this CPU can build the native library's vector paths at, and the
+library built at one of them (or the test skipped, with the reason)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
-from worker_proc.attention.native_kernel import vectorised_fp32_library
+from worker_proc.attention.native_kernel import vectorised_library
 
 MACHINE = cpu_isa(read_cpu_flags())
 # "" = -march=native; then each capped level at or below this CPU's that has AVX2 + FMA.
@@ -17,8 +17,8 @@ VECTOR_LEVELS = ["", *(level for level in ("avx2", "avx512") if rank(level) <= r
 LEVEL_IDS = [level or "native" for level in VECTOR_LEVELS]
 
 
-def vectorised_or_skip(level: str, probe: str) -> tuple[ctypes.CDLL, int | None]:
-    found = vectorised_fp32_library(torch.float32, level, probe)
+def vectorised_or_skip(level: str, probe: str, dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL, int | None]:
+    found = vectorised_library(dtype, (dtype,), level, probe)
     if isinstance(found, str):
         pytest.skip(found)
     return found

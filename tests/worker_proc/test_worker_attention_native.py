@@ -19,7 +19,7 @@ from proto.messages import StepPlan
 from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
 from worker_proc.attention import AttentionBackend, AttentionBackendError, AttentionShape, attention_backend_for
 from worker_proc.attention import native_kernel as native
-from worker_proc.attention.native import NativeMetadata, NativePagedAttention
+from worker_proc.attention.native import BF16_SDPA_MIN_TOKENS, NativeMetadata, NativePagedAttention
 from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 from worker_proc.runner import ModelRunner
@@ -158,6 +158,39 @@ def test_auto_attends_shapes_without_a_vector_path_with_the_reference(
     want, _ = run_step(TorchPagedAttention(), *shape)
     forced, _ = run_step(NativePagedAttention(kernel, 4), *shape)  # the portable loop: close, not equal
     assert not torch.equal(forced, want)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("make_plan_for, sdpa_min_tokens, num_by_sdpa, num_by_kernel", [
+    (mixed_plan, 6, 2, 6),  # the fresh 7-token prompt and the 6-token chunk; the decodes stay
+    (prefill_plan, 20, 3, 2),  # the 40-, 30- and 20-token chunks; the two-token chunk stays
+    (prefill_plan, 2, 4, 0),  # every chunk: no kernel call at all
+])
+def test_long_chunks_through_sdpa_beside_the_kernel_equal_the_reference(
+        kernel: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan], sdpa_min_tokens: int,
+        num_by_sdpa: int, num_by_kernel: int, dtype: torch.dtype, tolerance: float) -> None:
+    backend = NativePagedAttention(kernel, 4, sdpa_min_tokens)
+    meta = build_step_batch(make_plan_for(4), 4, NUM_BLOCKS, backend).attn
+    assert len(meta.prefills) == num_by_sdpa and len(meta.token_members) == num_by_kernel
+    assert meta.kernel_rows is not None and len(meta.kernel_rows) == num_by_kernel
+    shape = (make_plan_for(4), 4, dtype, 6, 2, 64)
+    want, want_caches = run_step(TorchPagedAttention(), *shape)
+    got, got_caches = run_step(backend, *shape)
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got_caches, want_caches)
+
+
+def test_auto_sends_long_bf16_chunks_to_sdpa_and_keeps_fp32_on_the_kernel(
+        kernel: native.PagedAttentionKernel) -> None:
+    if kernel.code_path(torch.bfloat16, 3, 64) == "portable":
+        pytest.skip("no vectorised path on this CPU: auto uses the reference")
+    shape = AttentionShape(9, 3, 64)
+    bf16 = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, shape=shape)
+    fp32 = attention_backend_for(torch.device("cpu"), torch.float32, 16, shape=shape)
+    assert isinstance(bf16, NativePagedAttention) and bf16.sdpa_min_tokens == BF16_SDPA_MIN_TOKENS
+    assert isinstance(fp32, NativePagedAttention) and fp32.sdpa_min_tokens is None
+    decodes_only = build_step_batch(mixed_plan(16), 16, NUM_BLOCKS, bf16).attn  # no chunk reaches 64
+    assert decodes_only.kernel_rows is None and decodes_only.prefills == ()
 
 
 def test_auto_picks_the_native_kernel_on_the_cpu(kernel: native.PagedAttentionKernel,

@@ -156,7 +156,7 @@ def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: int,
 def _native_backend(device: torch.device, dtype: torch.dtype, block_size: int, cpu_isa: str,
                     shape: AttentionShape | None, explicit: bool) -> AttentionBackend:
     """shape: None when any code path will do (explicit native), else only a vectorised one."""
-    from worker_proc.attention.native import NativePagedAttention
+    from worker_proc.attention.native import BF16_SDPA_MIN_TOKENS, NativePagedAttention
     from worker_proc.attention.native_kernel import NativeBuildError, load_paged_attention
     from worker_proc.attention.reference import TorchPagedAttention
 
@@ -181,4 +181,7 @@ def _native_backend(device: torch.device, dtype: torch.dtype, block_size: int, c
         log.info("attention: native paged attention (%s, %s path)", kernel.path.name, path)
     else:
         log.info("attention: native paged attention (%s)", kernel.path.name)
-    return NativePagedAttention(kernel, block_size)
+    if dtype != torch.bfloat16:
+        return NativePagedAttention(kernel, block_size)
+    log.info("attention: bf16 prefill chunks of %d tokens or more through torch SDPA", BF16_SDPA_MIN_TOKENS)
+    return NativePagedAttention(kernel, block_size, BF16_SDPA_MIN_TOKENS)

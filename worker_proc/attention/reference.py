@@ -54,7 +54,7 @@ class TorchPagedAttention:
                 v_cache: torch.Tensor, meta: ReferenceMetadata, out: torch.Tensor) -> None:
         """Writes every prefill chunk's rows of out [num_tokens, num_heads, head_dim]."""
         for span in meta.prefills:
-            out[span.token_start:span.token_end] = _prefill(q, k, v, k_cache, v_cache, span)
+            out[span.token_start:span.token_end] = prefill_chunk(q, k, v, k_cache, v_cache, span)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,9 +112,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     return out.transpose(0, 1).reshape(num_members, -1, head_dim)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-    """One chunk's queries against its context -> [num_q, num_heads, head_dim]."""
+    """One chunk's queries against its context -> [num_q, num_heads, head_dim] (one SDPA call)."""
     rows = slice(span.token_start, span.token_end)
     queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, num_q, head_dim]
     if span.context_slots is None:

@@ -50,7 +50,7 @@ class ReferenceMetadata:
 def build_reference_metadata(batch: RaggedBatch) -> ReferenceMetadata:
     is_decode = batch.num_scheduled == 1
     decodes = _decode_groups(batch, np.flatnonzero(is_decode), all_decodes=bool(is_decode.all()))
-    prefills = tuple(_prefill_span(batch, int(i)) for i in np.flatnonzero(~is_decode))
+    prefills = tuple(prefill_span(batch, int(i)) for i in np.flatnonzero(~is_decode))
     return ReferenceMetadata(torch.from_numpy(batch.slot_mapping), decodes, prefills)
 
 
@@ -90,7 +90,9 @@ def _decode_group(batch: RaggedBatch, members: np.ndarray, token_rows: torch.Ten
     return DecodeGroup(token_rows, slots, torch.from_numpy(mask))
 
 
-def _prefill_span(batch: RaggedBatch, member: int) -> PrefillSpan:
+def prefill_span(batch: RaggedBatch, member: int) -> PrefillSpan:
+    """Member's chunk: its query rows, and unless it starts at position 0 its context's slots and
+    causal mask (also what the native backend hands SDPA for long bf16 chunks)."""
     token_start = int(batch.cu_seqlens_q[member])
     num_computed, context_len = int(batch.num_computed[member]), int(batch.context_lens[member])
     token_end = token_start + context_len - num_computed

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define TILE 16       /* positions per score tile; the scores buffer is padded to it */
 #define MAX_GROUP 16  /* vectorised paths: query heads per KV head */
 #define BLOCK_ROWS 24 /* block paths: queries x query heads per KV head */
@@ -48,14 +50,6 @@ static inline size_t block_scratch_bytes(int max_context) {  /* scores, output r
 }
 void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16; float f; memcpy(&f, &bits, sizeof f); return f;
-}
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, NaN stays NaN */
-    uint32_t bits; memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u); return (uint16_t)(bits >> 16);
-}
 static inline int padded(int n) { return (n + TILE - 1) / TILE * TILE; }
 static inline const int32_t *table_of(const Args *a, int64_t query) {
     return a->block_tables + (int64_t)a->token_members[query] * a->max_blocks;
