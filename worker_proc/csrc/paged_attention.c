@@ -102,7 +102,9 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     int group = num_heads / num_kv_heads, max_context = 1;
     for (int64_t t = 0; t < num_tokens; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     Attend attend;
-    AttendBlock attend_block = path_for(bf16, group, head_dim, &attend) == AVX2
+    /* Blocks of a prefill chunk's queries run the AVX2 block kernel on AVX512 builds too: it reads
+     * each K/V row once per block, where the AVX512 path reads it once per query. */
+    AttendBlock attend_block = path_for(bf16, group, head_dim, &attend) != PORTABLE
                                ? avx2_block_variant(bf16, group, head_dim) : NULL;
     int per_block = attend_block == NULL ? 1 : BLOCK_ROWS / group;
     int64_t *starts = malloc(((size_t)num_tokens + 1) * 2 * sizeof *starts);
