@@ -22,8 +22,13 @@ class FrontendWatch:
         self._alive = True  # False once the watched process has exited, until the next hello
         self._checked_s = 0.0  # time.monotonic() of the last look
 
-    def greet(self, pid: int) -> None:
+    def greet(self, pid: int) -> int | None:
+        """Watch pid from now on. Returns the frontend watched until now if its process has exited
+        (a replacement can say hello before the next look), else None."""
+        old = self.pid
+        gone = old if old is not None and old != pid and not self._process_alive(old) else None
         self.pid, self._alive, self._checked_s = pid, True, time.monotonic()
+        return gone
 
     def exited(self) -> bool:
         """The watched frontend has exited (also true after take_exited, until the next hello:

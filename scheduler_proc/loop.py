@@ -207,11 +207,9 @@ class SchedulerLoop:
         whatever is unfinished now came from an earlier frontend: a second line behind
         _watch_frontend, which aborts a dead frontend's requests without waiting for the next one."""
         logger.info("frontend pid %d connected", pid)
-        old = self._frontend.pid  # a replacement can say hello before the watch's next look
-        gone = old is not None and old != pid and not process_alive(old)
-        self._abort_frontend_requests(f"the frontend (pid {old}) exited" if gone
+        gone = self._frontend.greet(pid)
+        self._abort_frontend_requests(f"the frontend (pid {gone}) exited" if gone is not None
                                       else f"a new frontend (pid {pid}) connected")
-        self._frontend.greet(pid)
 
     def _watch_frontend(self) -> None:
         """A frontend that died (SIGKILL, crash) took its clients' connections with it: abort its
