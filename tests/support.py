@@ -52,6 +52,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_block(size: int) -> int:
+    """A base port with `size` free ports after it (torch.distributed + the step channels)."""
+    for _ in range(50):
+        base = free_port()
+        if base + size > 65535:
+            continue
+        try:
+            for port in range(base, base + size):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no block of {size} free ports")
+
+
 def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
     info = read_model_info(model_dir)
     base = dict(model=str(model_dir), served_model_name="tiny", dtype="float32",

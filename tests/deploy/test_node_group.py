@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import zmq
-from integration.test_multi_device import free_port_block
+from support import free_port_block
 
 from deploy.node_group import NODE0_SILENCE_S, GroupChannel
 from proto.config import EngineConfig

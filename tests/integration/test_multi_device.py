@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.auth
-from support import (caplog_of, children_of, free_port, hf_greedy_texts, metric_value, process_alive,
+from support import (caplog_of, children_of, free_port, free_port_block, hf_greedy_texts, metric_value, process_alive,
                      sse_events, supervised, tiny_config)
 
 from deploy.launcher import Child, Stack
@@ -123,22 +122,6 @@ def test_a_rank_that_does_not_answer_a_step_is_killed_and_replaced_naming_it(
     assert "--step-timeout" in log and "after it hung" in log
     assert probe.codes[:3] == [200, 503, 200], probe.codes
     assert not process_alive(stuck.pid)
-
-
-def free_port_block(size: int) -> int:
-    """A base port with `size` free ports after it (torch.distributed + the step channels)."""
-    for _ in range(50):
-        base = free_port()
-        if base + size > 65535:
-            continue
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no block of {size} free ports")
 
 
 def two_node_argv(model_dir: Path, master_port: int, *extra: str) -> list[str]:

@@ -9,8 +9,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from support import caplog_of, metric_value, supervised, tiny_config
-from integration.test_multi_device import free_port_block
+from support import caplog_of, free_port_block, metric_value, supervised, tiny_config
 from integration.test_worker_recovery import run_burst
 
 from deploy.launcher import Stack

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import numpy as np
 import pytest
 import zmq
+from support import free_port_block
 
 from proto import codec, messages, sockets
 from proto.config import EngineConfig
@@ -44,9 +44,7 @@ def test_a_master_host_name_is_bound_on_every_interface_and_connected_by_name() 
 
 
 def test_a_frame_crosses_an_insecure_tcp_step_channel_on_loopback() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        master_port = probe.getsockname()[1] - 1  # results lands on the probed free port
+    master_port = free_port_block(4)  # torch.distributed, results, plan-0, plan-1
     config = EngineConfig(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
                           master_port=master_port, insecure_transport=True)
     context = zmq.Context()

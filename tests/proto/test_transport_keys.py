@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import stat
 import time
 from collections.abc import Iterator
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from support import free_port_block
 
 from proto import codec, sockets, transport
 from proto.config import EngineConfig
@@ -27,9 +27,7 @@ def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def two_nodes(keys_dir: Path) -> EngineConfig:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        master_port = probe.getsockname()[1] - 1  # results lands on the probed free port
+    master_port = free_port_block(4)  # torch.distributed, results, plan-0, plan-1
     return EngineConfig(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master_port,
                         transport_keys_dir=str(keys_dir))
 
