@@ -35,6 +35,9 @@ LEVELS = ["", *(level for level in ("baseline", "avx2", "avx512", "avx512_bf16")
 EXPECTED_PATHS = {"baseline": ("portable", "portable"), "avx2": ("avx2", "avx2"),
                   "avx512": ("avx512", "avx2"), "avx512_bf16": ("avx512", "avx512"),
                   "amx": ("avx512", "avx512")}
+# The block path of a prefill chunk's queries, fp32 and bf16, head_dim 64.
+EXPECTED_BLOCK_PATHS = {"baseline": ("none", "none"), "avx2": ("avx2", "avx2"), "avx512": ("avx2", "avx2"),
+                        "avx512_bf16": ("avx2", "avx512_bf16"), "amx": ("avx2", "avx512_bf16")}
 
 
 def load(level: str = "") -> native.PagedAttentionKernel:
@@ -125,12 +128,16 @@ def test_each_isa_level_runs_the_path_built_for_it(level: str) -> None:
     assert kernel.code_path(torch.float32, 3, 64) == fp32
     assert kernel.code_path(torch.bfloat16, 3, 64) == bf16
     assert kernel.code_path(torch.float32, 3, 24) == "portable"  # no vector path has head_dim 24
+    assert (kernel.block_path(torch.float32, 3, 64), kernel.block_path(torch.bfloat16, 3, 64)) == \
+        EXPECTED_BLOCK_PATHS[level]
+    assert kernel.block_path(torch.bfloat16, 17, 64) == "none"  # 17 heads a block of one query: per query
     assert f"-{level}-" in kernel.path.name
 
 
 def test_the_uncapped_build_runs_the_widest_path_this_cpu_has(kernel: native.PagedAttentionKernel) -> None:
     assert kernel.code_path(torch.float32, 3, 64) == EXPECTED_PATHS[MACHINE.detected][0]
     assert kernel.code_path(torch.bfloat16, 3, 64) == EXPECTED_PATHS[MACHINE.detected][1]
+    assert kernel.block_path(torch.bfloat16, 3, 64) == EXPECTED_BLOCK_PATHS[MACHINE.detected][1]
 
 
 @pytest.mark.parametrize("make_plan_for", [mixed_plan, prefill_plan])
@@ -180,15 +187,20 @@ def test_long_chunks_through_sdpa_beside_the_kernel_equal_the_reference(
     assert torch.equal(got_caches, want_caches)
 
 
-def test_auto_sends_long_bf16_chunks_to_sdpa_and_keeps_fp32_on_the_kernel(
-        kernel: native.PagedAttentionKernel) -> None:
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_sends_long_bf16_chunks_to_sdpa_only_with_amx_and_keeps_fp32_on_the_kernel(
+        kernel: native.PagedAttentionKernel, monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
     if kernel.code_path(torch.bfloat16, 3, 64) == "portable":
         pytest.skip("no vectorised path on this CPU: auto uses the reference")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     shape = AttentionShape(9, 3, 64)
     bf16 = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, shape=shape)
     fp32 = attention_backend_for(torch.device("cpu"), torch.float32, 16, shape=shape)
-    assert isinstance(bf16, NativePagedAttention) and bf16.sdpa_min_tokens == BF16_SDPA_MIN_TOKENS
+    assert isinstance(bf16, NativePagedAttention) and bf16.sdpa_min_tokens == (BF16_SDPA_MIN_TOKENS if amx else None)
     assert isinstance(fp32, NativePagedAttention) and fp32.sdpa_min_tokens is None
+    capped = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, cpu_isa="avx512_bf16", shape=shape)
+    assert isinstance(capped, NativePagedAttention) and capped.sdpa_min_tokens is None  # AMX capped off
+    bf16 = NativePagedAttention(kernel, 16, BF16_SDPA_MIN_TOKENS)
     decodes_only = build_step_batch(mixed_plan(16), 16, NUM_BLOCKS, bf16).attn  # no chunk reaches 64
     assert decodes_only.kernel_rows is None and decodes_only.prefills == ()
 

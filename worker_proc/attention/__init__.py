@@ -181,7 +181,15 @@ def _native_backend(device: torch.device, dtype: torch.dtype, block_size: int, c
         log.info("attention: native paged attention (%s, %s path)", kernel.path.name, path)
     else:
         log.info("attention: native paged attention (%s)", kernel.path.name)
-    if dtype != torch.bfloat16:
+    if dtype != torch.bfloat16 or not has_matrix_units(cpu_isa):
         return NativePagedAttention(kernel, block_size)
-    log.info("attention: bf16 prefill chunks of %d tokens or more through torch SDPA", BF16_SDPA_MIN_TOKENS)
+    log.info("attention: bf16 prefill chunks of %d tokens or more through torch SDPA (AMX)", BF16_SDPA_MIN_TOKENS)
     return NativePagedAttention(kernel, block_size, BF16_SDPA_MIN_TOKENS)
+
+
+def has_matrix_units(cpu_isa: str) -> bool:
+    """Whether this CPU's AMX tiles are usable (the OS grants them) and the ISA cap allows them:
+    there torch's SDPA multiplies bf16 prompt chunks faster than the kernel; without AMX the kernel's
+    AVX512-BF16 block path is faster (docs/benchmarks.md "Prefill attention in bf16")."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return cpu_isa in ("", "amx") and probe is not None and bool(probe())

@@ -7,10 +7,12 @@ kernel call: a decode attends to its whole context, a prefill chunk's token at p
 first p + 1 positions (this step's K/V are written to the cache first). The cache layout and the
 writes are the reference's own. SmolLM2-135M: docs/benchmarks.md "Decode attention on the CPU".
 
-In bf16, prefill chunks of at least BF16_SDPA_MIN_TOKENS go to torch's SDPA instead, one call per
-chunk as the reference makes it: its CPU flash kernel multiplies bf16 tiles on the matrix units
-(AMX, AVX512-BF16), 2.4-4.4x the kernel's per-query loop on 256-2048-token chunks, while the kernel
-stays faster on decodes and short chunks (docs/benchmarks.md "Prefill attention in bf16").
+On a CPU with AMX, bf16 prefill chunks of at least BF16_SDPA_MIN_TOKENS go to torch's SDPA instead,
+one call per chunk as the reference makes it: its CPU flash kernel multiplies bf16 tiles on the
+matrix units, 2.4-4.4x the kernel's per-query loop on 256-2048-token chunks there, while the kernel
+stays faster on decodes and short chunks. Without AMX the kernel attends every chunk: its
+AVX512-BF16 block path is 2-5x faster than SDPA there (docs/benchmarks.md "Prefill attention in
+bf16").
 """
 
 from __future__ import annotations

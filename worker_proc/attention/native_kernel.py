@@ -28,6 +28,7 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32,
              ctypes.c_float, _I32, _I32, ctypes.POINTER(ctypes.c_int64)]
 PATHS = ("portable", "avx2", "avx512")  # paged_attention_path's return values, in order
+BLOCK_PATHS = ("none", "avx2", "avx512_bf16")  # paged_attention_block_path's, in order
 # GNU, Intel and LLVM OpenMP runtimes, also as wheels vendor them (libgomp-a34b3233.so.1); not
 # their siblings (libgompd, libomptarget).
 _OPENMP_RUNTIME = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]{8})?\.so(?:\.\d+)*")
@@ -45,11 +46,18 @@ class PagedAttentionKernel:
         self._path = library.paged_attention_path
         self._path.argtypes = [_I32, _I32, _I32]
         self._path.restype = ctypes.c_int
+        self._block_path = library.paged_attention_block_path
+        self._block_path.argtypes = [_I32, _I32, _I32]
+        self._block_path.restype = ctypes.c_int
 
     def code_path(self, dtype: torch.dtype, group: int, head_dim: int) -> str:
         """Which of PATHS this build runs for the dtype and shape (portable: slower than the torch
         reference)."""
         return PATHS[self._path(int(dtype == torch.bfloat16), group, head_dim)]
+
+    def block_path(self, dtype: torch.dtype, group: int, head_dim: int) -> str:
+        """Which of BLOCK_PATHS attends a prefill chunk's queries in blocks (none: one by one)."""
+        return BLOCK_PATHS[self._block_path(int(dtype == torch.bfloat16), group, head_dim)]
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, token_members: torch.Tensor, context_lens: torch.Tensor,

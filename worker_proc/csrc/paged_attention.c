@@ -30,6 +30,26 @@ int paged_attention_path(int bf16, int group, int head_dim) {
     return path_for(bf16, group, head_dim, &attend);
 }
 
+/* The kernel for blocks of a prefill chunk's queries, at most *per_block queries each (NULL: every
+ * query on its own). bf16 on AVX512-BF16 multiplies on dpbf16; otherwise the AVX2 block kernel runs
+ * on AVX512 builds too: it reads each K/V row once per block, where the AVX512 path reads it once
+ * per query. */
+static AttendBlock block_for(int bf16, int group, int head_dim, int *per_block) {
+    Attend attend;
+    AttendBlock block = NULL;
+    if (path_for(bf16, group, head_dim, &attend) == PORTABLE) return NULL;
+    if ((block = avx512_block_variant(bf16, group, head_dim)) != NULL) *per_block = WIDE_BLOCK_ROWS / group;
+    else if ((block = avx2_block_variant(bf16, group, head_dim)) != NULL) *per_block = BLOCK_ROWS / group;
+    return block;
+}
+
+/* Which block path paged_attend takes for a prefill chunk: 0 none, 1 AVX2, 2 AVX512-BF16. */
+int paged_attention_block_path(int bf16, int group, int head_dim) {
+    int per_block = 1;
+    AttendBlock block = block_for(bf16, group, head_dim, &per_block);
+    return block == NULL ? 0 : block == avx512_block_variant(bf16, group, head_dim) ? 2 : 1;
+}
+
 /* Every block a query reads names a block of the cache: each member's table is checked once, up to
  * the longest context any of its queries reads. On failure *where is the token (BAD_MEMBER,
  * BAD_CONTEXT, SHORT_TABLE) or the member (BAD_BLOCK) at fault. */
@@ -102,11 +122,9 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     int group = num_heads / num_kv_heads, max_context = 1;
     for (int64_t t = 0; t < num_tokens; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     Attend attend;
-    /* Blocks of a prefill chunk's queries run the AVX2 block kernel on AVX512 builds too: it reads
-     * each K/V row once per block, where the AVX512 path reads it once per query. */
-    AttendBlock attend_block = path_for(bf16, group, head_dim, &attend) != PORTABLE
-                               ? avx2_block_variant(bf16, group, head_dim) : NULL;
-    int per_block = attend_block == NULL ? 1 : BLOCK_ROWS / group;
+    path_for(bf16, group, head_dim, &attend);
+    int per_block = 1;
+    AttendBlock attend_block = block_for(bf16, group, head_dim, &per_block);
     int64_t *starts = malloc(((size_t)num_tokens + 1) * 2 * sizeof *starts);
     if (starts == NULL) return NO_MEMORY;
     int64_t *weights = starts + num_tokens + 1;

@@ -20,8 +20,10 @@
 
 #define TILE 16       /* positions per score tile; the scores buffer is padded to it */
 #define MAX_GROUP 16  /* vectorised paths: query heads per KV head */
-#define BLOCK_ROWS 24 /* block paths: queries x query heads per KV head */
-#define BLOCK_TILE 12 /* block paths: q.k positions per register tile at most; each tile's width divides it */
+#define BLOCK_ROWS 24 /* AVX2 block path: queries x query heads per KV head */
+#define BLOCK_TILE 12 /* AVX2 block path: q.k positions per register tile at most; each tile's width divides it */
+#define WIDE_BLOCK_ROWS 32 /* AVX512-BF16 block path: queries x query heads per KV head */
+#define WIDE_BLOCK_TILE 24 /* AVX512-BF16 block path: q.k positions per tile at most; each tile's width divides it */
 #define MAX_HEAD_DIM 128
 
 typedef struct {
@@ -44,9 +46,10 @@ typedef void (*AttendBlock)(const Args *, int64_t first_query, int count, int kv
 Attend avx512_variant(int bf16, int group, int head_dim);
 Attend avx2_variant(int bf16, int group, int head_dim);
 AttendBlock avx2_block_variant(int bf16, int group, int head_dim);
-static inline size_t block_scratch_bytes(int max_context) {  /* scores, output rows, row offsets */
-    size_t positions = ((size_t)max_context + BLOCK_TILE - 1) / BLOCK_TILE * BLOCK_TILE;  /* every tile's padding */
-    return (positions * BLOCK_ROWS + BLOCK_ROWS * MAX_HEAD_DIM) * sizeof(float) + positions * sizeof(int64_t);
+AttendBlock avx512_block_variant(int bf16, int group, int head_dim);
+static inline size_t block_scratch_bytes(int max_context) {  /* scores, output rows, row offsets: either path's */
+    size_t positions = ((size_t)max_context + WIDE_BLOCK_TILE - 1) / WIDE_BLOCK_TILE * WIDE_BLOCK_TILE;  /* a multiple of both tiles */
+    return (positions * WIDE_BLOCK_ROWS + WIDE_BLOCK_ROWS * MAX_HEAD_DIM) * sizeof(float) + positions * sizeof(int64_t);
 }
 void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
 
