@@ -28,7 +28,7 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32,
              ctypes.c_float, _I32, _I32, ctypes.POINTER(ctypes.c_int64)]
 PATHS = ("portable", "avx2", "avx512")  # paged_attention_path's return values, in order
-BLOCK_PATHS = ("none", "avx2", "avx512_bf16")  # paged_attention_block_path's, in order
+BLOCK_PATHS = ("none", "avx2", "avx512")  # paged_attention_block_path's, in order
 # GNU, Intel and LLVM OpenMP runtimes, also as wheels vendor them (libgomp-a34b3233.so.1); not
 # their siblings (libgompd, libomptarget).
 _OPENMP_RUNTIME = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]{8})?\.so(?:\.\d+)*")

@@ -6,36 +6,16 @@
 #include "paged_attention.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #include <math.h>
+
+#include "avx512_lanes.h"
 
 #define AHEAD 2      /* tiles of K prefetched ahead */
 #define MAX_CHUNKS 8 /* 64-byte chunks per head row */
 #define PV_GROUP 4   /* query heads per p.v pass */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-/* The bf16-only instructions; without AVX512-BF16 only the fp32 variants exist, whose BF16 = 0
- * never calls these. */
-#if defined(__AVX512BF16__)
-ALWAYS_INLINE __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) {  /* acc + x.y over bf16 pairs */
-    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
-}
-ALWAYS_INLINE __m512 dot_pairs_at(__m512 acc, const void *x, const void *y) {  /* the same, in memory */
-    __m512bh a, b;  /* memcpy, not a load and a cast: gcc 12 round-trips that via the stack */
-    memcpy(&a, x, sizeof a), memcpy(&b, y, sizeof b);
-    return _mm512_dpbf16_ps(acc, a, b);
-}
 ALWAYS_INLINE __m512i interleave(__m512i x, __m512i y, int high) {  /* x0 y0 x1 y1 .. per 128-bit lane */
     return high ? _mm512_unpackhi_epi16(x, y) : _mm512_unpacklo_epi16(x, y);
 }
-ALWAYS_INLINE __m512i round_pairs(__m512 hi, __m512 lo) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
-ALWAYS_INLINE __m256i round_half(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-#else
-ALWAYS_INLINE __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) { (void)x, (void)y; return acc; }
-ALWAYS_INLINE __m512 dot_pairs_at(__m512 acc, const void *x, const void *y) { (void)x, (void)y; return acc; }
-ALWAYS_INLINE __m512i interleave(__m512i x, __m512i y, int high) { (void)y, (void)high; return x; }
-ALWAYS_INLINE __m512i round_pairs(__m512 hi, __m512 lo) { (void)hi; return _mm512_castps_si512(lo); }
-ALWAYS_INLINE __m256i round_half(__m512 x) { return _mm512_castsi512_si256(_mm512_castps_si512(x)); }
-#endif
 static inline void prefetch_rows(const char *base, const int64_t rows[TILE], int element_bytes,
                                  int row_bytes) {
     for (int i = 0; i < TILE; i++)
@@ -56,19 +36,6 @@ ALWAYS_INLINE __m512 reduce_tile(const __m512 v[TILE]) {
     for (int i = 0; i < 4; i++) b[i] = fold(a[i], a[i + 4], 4);
     for (int i = 0; i < 2; i++) c[i] = fold(b[i], b[i + 2], 2);
     return fold(c[0], c[1], 1);
-}
-ALWAYS_INLINE __m512 exp512(__m512 x) {  /* e^x for x <= 0: Cephes polynomial, exponent by scalef */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                               1.6666665459e-1f, 5.0000001201e-1f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 ALWAYS_INLINE __mmask16 valid_lanes(int start, int n) {
     return n - start >= TILE ? 0xFFFF : (__mmask16)((1u << (n - start)) - 1);
@@ -124,18 +91,15 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int st
             }
         }
     }
-    /* bf16: lo lane 4j + k holds dim 8j + k, hi lane 4j + k holds dim 8j + 4 + k */
-    static const int32_t first[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-    static const int32_t second[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
     for (int g = 0; g < G; g++) {
         __m512 inverse = _mm512_set1_ps(1.0f / total[g]);
         char *dst = (char *)out_row + g * dim * (BF16 ? 2 : 4);
         for (int c = c0; c < c0 + CB; c++) {
             __m512 x = lo[g][c - c0], y = hi[g][c - c0];
             if (BF16) {
-                __m512 d0 = _mm512_mul_ps(_mm512_permutex2var_ps(x, _mm512_loadu_si512(first), y), inverse);
-                __m512 d1 = _mm512_mul_ps(_mm512_permutex2var_ps(x, _mm512_loadu_si512(second), y), inverse);
-                _mm512_storeu_si512(dst + 64 * c, round_pairs(d1, d0));
+                __m512 d0, d1;
+                unpermute_pairs(x, y, &d0, &d1);
+                _mm512_storeu_si512(dst + 64 * c, round_pairs(_mm512_mul_ps(d1, inverse), _mm512_mul_ps(d0, inverse)));
             } else {
                 _mm512_storeu_ps(dst + 64 * c, _mm512_mul_ps(x, inverse));
             }

@@ -31,9 +31,9 @@ int paged_attention_path(int bf16, int group, int head_dim) {
 }
 
 /* The kernel for blocks of a prefill chunk's queries, at most *per_block queries each (NULL: every
- * query on its own). bf16 on AVX512-BF16 multiplies on dpbf16; otherwise the AVX2 block kernel runs
- * on AVX512 builds too: it reads each K/V row once per block, where the AVX512 path reads it once
- * per query. */
+ * query on its own): it reads each K/V row once per block, where the per-query paths read it once
+ * per query. The AVX512 block kernel where it covers the dtype (bf16 needs AVX512-BF16) and shape,
+ * else the AVX2 one, on AVX512 builds too. */
 static AttendBlock block_for(int bf16, int group, int head_dim, int *per_block) {
     Attend attend;
     AttendBlock block = NULL;
@@ -43,7 +43,7 @@ static AttendBlock block_for(int bf16, int group, int head_dim, int *per_block) 
     return block;
 }
 
-/* Which block path paged_attend takes for a prefill chunk: 0 none, 1 AVX2, 2 AVX512-BF16. */
+/* Which block path paged_attend takes for a prefill chunk: 0 none, 1 AVX2, 2 AVX512. */
 int paged_attention_block_path(int bf16, int group, int head_dim) {
     int per_block = 1;
     AttendBlock block = block_for(bf16, group, head_dim, &per_block);
