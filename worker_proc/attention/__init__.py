@@ -178,7 +178,8 @@ def _native_backend(device: torch.device, dtype: torch.dtype, block_size: int, c
                      "%d query heads per KV head, head_dim %d on this CPU)", dtype, shape.group,
                      shape.head_dim)
             return TorchPagedAttention()
-        log.info("attention: native paged attention (%s, %s path)", kernel.path.name, path)
+        log.info("attention: native paged attention (%s, %s path; prompt chunks in blocks: %s)", kernel.path.name,
+                 path, kernel.block_path(dtype, shape.group, shape.head_dim))
     else:
         log.info("attention: native paged attention (%s)", kernel.path.name)
     if dtype != torch.bfloat16 or not has_matrix_units(cpu_isa):

@@ -1,11 +1,11 @@
-/* AVX512 paged attention (fp32: AVX512F; bf16: also AVX512-BF16). Each K/V row is read once for the
+/* AVX512 paged attention (fp32: AVX512F + BW; bf16: also AVX512-BF16). Each K/V row is read once for the
  * KV head's whole GQA group. q.k gives per position a vector of 16 partial sums; a tile of 16
  * positions is reduced together by a transpose-add tree (15 adds for 16 scores instead of 16
  * horizontal sums). On bf16, q.k and p.v run on dpbf16: p.v over pairs of positions whose V rows
  * are interleaved by unpack (which permutes the head_dim lanes; undone once per output row). */
 #include "paged_attention.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <math.h>
 
 #include "avx512_lanes.h"

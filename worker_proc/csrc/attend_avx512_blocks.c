@@ -16,7 +16,7 @@
  * Every K and V row is read from memory once for the whole block. */
 #include "paged_attention.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <math.h>
 
 #include "avx512_lanes.h"

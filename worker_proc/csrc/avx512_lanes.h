@@ -1,7 +1,7 @@
 /* AVX-512 helpers shared by the AVX512 attention paths (attend_avx512.c: one query;
  * attend_avx512_blocks.c: a block of a prefill chunk's queries): 16 fp32 lanes, and the bf16-pair
  * instructions of AVX512-BF16. Without AVX512-BF16 only the fp32 variants exist, whose BF16 = 0 never
- * calls the bf16 ones. Include only where __AVX512F__ is defined. */
+ * calls the bf16 ones. Include only where __AVX512F__ and __AVX512BW__ are defined. */
 #ifndef CONVEYOR_AVX512_LANES_H
 #define CONVEYOR_AVX512_LANES_H
 
