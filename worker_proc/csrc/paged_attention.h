@@ -22,8 +22,8 @@
 #define MAX_GROUP 16  /* vectorised paths: query heads per KV head */
 #define BLOCK_ROWS 24 /* AVX2 block path: queries x query heads per KV head */
 #define BLOCK_TILE 12 /* AVX2 block path: q.k positions per register tile at most; each tile's width divides it */
-#define WIDE_BLOCK_ROWS 32 /* AVX512-BF16 block path: queries x query heads per KV head */
-#define WIDE_BLOCK_TILE 24 /* AVX512-BF16 block path: q.k positions per tile at most; each tile's width divides it */
+#define WIDE_BLOCK_ROWS 32 /* AVX512 block path: queries x query heads per KV head */
+#define WIDE_BLOCK_TILE 24 /* AVX512 block path: q.k positions per tile at most; each tile's width divides it */
 #define MAX_HEAD_DIM 128
 
 typedef struct {
