@@ -119,20 +119,12 @@ ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_h
                                const int NV, const int C, const int BF16) {
     const int G = a->num_heads / a->num_kv_heads, R = count * G, width = LANES * NV, dim = LANES * C;
     const int bytes = BF16 ? 2 : 4, PP = BLOCK_TILE / NV;  /* 12, 6 or 4 positions: 12 accumulators */
-    int n = 1, n_min = a->context_lens[first], n_of[BLOCK_ROWS];
-    for (int j = 0; j < count; j++) {
-        int lens = a->context_lens[first + j];
-        n = lens > n ? lens : n, n_min = lens < n_min ? lens : n_min;
-    }
-    for (int r = 0; r < width; r++) n_of[r] = r < R ? a->context_lens[first + r / G] : n;
+    int n_min, n_of[BLOCK_ROWS];
+    const int n = block_contexts(a, first, count, width, n_of, &n_min);
     const int npad = (n + PP - 1) / PP * PP;
     float *scores = scratch, *out = scores + (int64_t)npad * width, total[BLOCK_ROWS];
     int64_t *rows = (int64_t *)(out + BLOCK_ROWS * MAX_HEAD_DIM);
-    const int32_t *table = table_of(a, first);
-    for (int p = 0, block = 0, offset = 0; p < npad; p++) {  /* past n: the last position again */
-        rows[p] = p < n ? ((int64_t)table[block] * a->block_size + offset) * dim : rows[n - 1];
-        if (++offset == a->block_size) offset = 0, block++;
-    }
+    block_row_offsets(a, first, n, npad, dim, rows);
     const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     float qt[MAX_HEAD_DIM * BLOCK_ROWS];

@@ -139,20 +139,12 @@ ALWAYS_INLINE void wide_rows(const Args *a, int64_t first, int count, int kv_hea
                              const int NV, const int A, const int BF16) {
     const int G = a->num_heads / a->num_kv_heads, R = count * G, width = WIDE_LANES * NV, dim = WIDE_LANES * A;
     const int bytes = BF16 ? 2 : 4, steps = BF16 ? dim / 2 : dim, PP = WIDE_BLOCK_TILE / NV;  /* 24 accumulators */
-    int n = 1, n_min = a->context_lens[first], n_of[WIDE_BLOCK_ROWS];
-    for (int j = 0; j < count; j++) {
-        int lens = a->context_lens[first + j];
-        n = lens > n ? lens : n, n_min = lens < n_min ? lens : n_min;
-    }
-    for (int r = 0; r < width; r++) n_of[r] = r < R ? a->context_lens[first + r / G] : n;
+    int n_min, n_of[WIDE_BLOCK_ROWS];
+    const int n = block_contexts(a, first, count, width, n_of, &n_min);
     const int npad = (n + PP - 1) / PP * PP;  /* even: PP is */
     float *scores = scratch, *out = scores + (int64_t)npad * width, total[WIDE_BLOCK_ROWS];
     int64_t *rows = (int64_t *)(out + WIDE_BLOCK_ROWS * MAX_HEAD_DIM);
-    const int32_t *table = table_of(a, first);
-    for (int p = 0, block = 0, offset = 0; p < npad; p++) {  /* past n: the last position again */
-        rows[p] = p < n ? ((int64_t)table[block] * a->block_size + offset) * dim : rows[n - 1];
-        if (++offset == a->block_size) offset = 0, block++;
-    }
+    block_row_offsets(a, first, n, npad, dim, rows);
     const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     int32_t qt[MAX_HEAD_DIM * WIDE_BLOCK_ROWS];

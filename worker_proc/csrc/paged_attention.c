@@ -34,10 +34,9 @@ int paged_attention_path(int bf16, int group, int head_dim) {
  * query on its own): it reads each K/V row once per block, where the per-query paths read it once
  * per query. The AVX512 block kernel where it covers the dtype (bf16 needs AVX512-BF16) and shape,
  * else the AVX2 one, on AVX512 builds too. */
-static AttendBlock block_for(int bf16, int group, int head_dim, int *per_block) {
-    Attend attend;
+static AttendBlock block_for(enum Path path, int bf16, int group, int head_dim, int *per_block) {
     AttendBlock block = NULL;
-    if (path_for(bf16, group, head_dim, &attend) == PORTABLE) return NULL;
+    if (path == PORTABLE) return NULL;
     if ((block = avx512_block_variant(bf16, group, head_dim)) != NULL) *per_block = WIDE_BLOCK_ROWS / group;
     else if ((block = avx2_block_variant(bf16, group, head_dim)) != NULL) *per_block = BLOCK_ROWS / group;
     return block;
@@ -45,8 +44,9 @@ static AttendBlock block_for(int bf16, int group, int head_dim, int *per_block) 
 
 /* Which block path paged_attend takes for a prefill chunk: 0 none, 1 AVX2, 2 AVX512. */
 int paged_attention_block_path(int bf16, int group, int head_dim) {
+    Attend attend;
     int per_block = 1;
-    AttendBlock block = block_for(bf16, group, head_dim, &per_block);
+    AttendBlock block = block_for(path_for(bf16, group, head_dim, &attend), bf16, group, head_dim, &per_block);
     return block == NULL ? 0 : block == avx512_block_variant(bf16, group, head_dim) ? 2 : 1;
 }
 
@@ -122,9 +122,8 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     int group = num_heads / num_kv_heads, max_context = 1;
     for (int64_t t = 0; t < num_tokens; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     Attend attend;
-    path_for(bf16, group, head_dim, &attend);
     int per_block = 1;
-    AttendBlock attend_block = block_for(bf16, group, head_dim, &per_block);
+    AttendBlock attend_block = block_for(path_for(bf16, group, head_dim, &attend), bf16, group, head_dim, &per_block);
     int64_t *starts = malloc(((size_t)num_tokens + 1) * 2 * sizeof *starts);
     if (starts == NULL) return NO_MEMORY;
     int64_t *weights = starts + num_tokens + 1;

@@ -72,4 +72,28 @@ static inline void tile_rows(const int32_t *table, int block_size, int start, in
     }
 }
 
+/* A block of count consecutive queries from first, R = count x group rows laid along width >= R
+ * lanes: returns the longest context; *n_min the shortest (every row sees that many positions);
+ * n_of[r] row r's context (lanes past R: the longest, so they mask nothing). */
+static inline int block_contexts(const Args *a, int64_t first, int count, int width, int *n_of, int *n_min) {
+    const int G = a->num_heads / a->num_kv_heads, R = count * G;
+    int n = 1;
+    *n_min = a->context_lens[first];
+    for (int j = 0; j < count; j++) {
+        int lens = a->context_lens[first + j];
+        n = lens > n ? lens : n, *n_min = lens < *n_min ? lens : *n_min;
+    }
+    for (int r = 0; r < width; r++) n_of[r] = r < R ? a->context_lens[first + r / G] : n;
+    return n;
+}
+/* rows[p]: element offset (within a head) of position p of first's member, p in [0, npad); past n
+ * the last position again, so padded tiles read inside the context. */
+static inline void block_row_offsets(const Args *a, int64_t first, int n, int npad, int dim, int64_t *rows) {
+    const int32_t *table = table_of(a, first);
+    for (int p = 0, block = 0, offset = 0; p < npad; p++) {
+        rows[p] = p < n ? ((int64_t)table[block] * a->block_size + offset) * dim : rows[n - 1];
+        if (++offset == a->block_size) offset = 0, block++;
+    }
+}
+
 #endif
