@@ -147,13 +147,13 @@ def test_the_kernel_splits_queries_across_threads_without_changing_results(
     shape = (plan, 16, torch.bfloat16, 6, 2, 64)
     previous = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one, _ = run_step(NativePagedAttention(kernel, 16), *shape)
-        torch.set_num_threads(2)
-        two, _ = run_step(NativePagedAttention(kernel, 16), *shape)
+        results = []
+        for threads in (1, 2, 3):  # the threads claim (query block, KV head) items as they go
+            torch.set_num_threads(threads)
+            results.append(run_step(NativePagedAttention(kernel, 16), *shape)[0])
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(one, two)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 def test_auto_attends_shapes_without_a_vector_path_with_the_reference(

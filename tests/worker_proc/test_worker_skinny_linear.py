@@ -61,6 +61,22 @@ def test_packed_rows_take_inputs_in_several_blocks(kernel: skinny.SkinnyLinear) 
     torch.testing.assert_close(kernel.pack(weight)(x, bias), expected, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows", [64, 1000], ids=["panels split", "rows packed"])
+def test_the_threads_claiming_work_do_not_change_a_bit_of_the_result(kernel: skinny.SkinnyLinear,
+                                                                      rows: int) -> None:
+    generator = torch.Generator().manual_seed(7)  # 1000 rows: 11 blocks of 96 for 1-3 threads to claim
+    x, weight = torch.randn(rows, 576, generator=generator), torch.randn(200, 576, generator=generator)
+    packed, previous = kernel.pack(weight), torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(packed(x, None))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
 def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> None:
     packed = kernel.pack(torch.randn(8, 16))
     with pytest.raises(ValueError, match="fp32 x"):

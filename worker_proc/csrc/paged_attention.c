@@ -1,13 +1,9 @@
 /* Paged attention for the CPU, the driver: checks every read against the cache and block tables,
  * picks the widest path compiled for (AVX512, AVX2, else portable C), groups consecutive queries of
- * one member into blocks where the path attends blocks, and splits the step's work items, (query
- * block, KV head) pairs, into contiguous runs of about equal context, one per OpenMP thread
- * (torch's own pool once torch is loaded: the same libgomp soname). Shapes and layouts:
- * paged_attention.h. */
+ * one member into blocks where the path attends blocks, and has the OpenMP threads (torch's own
+ * pool once torch is loaded: the same libgomp soname) claim the step's work items, (query block,
+ * KV head) pairs, one at a time. Shapes and layouts: paged_attention.h. */
 #include <stdlib.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #include "paged_attention.h"
 
@@ -76,33 +72,14 @@ static int check_reads(const Args *a, int64_t num_tokens, int64_t num_seqs, int6
 }
 
 /* Query blocks: starts[b]..starts[b + 1] are block b's queries, at most per_block consecutive
- * queries of one member; weights[b] their total context. Returns the number of blocks. */
-static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int64_t *starts, int64_t *weights) {
+ * queries of one member. Returns the number of blocks. */
+static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int64_t *starts) {
     int64_t num_blocks = 0;
-    for (int64_t t = 0; t < num_tokens; t++) {
+    for (int64_t t = 0; t < num_tokens; t++)
         if (t == 0 || t - starts[num_blocks - 1] == per_block || a->token_members[t] != a->token_members[t - 1])
-            starts[num_blocks] = t, weights[num_blocks++] = 0;
-        weights[num_blocks - 1] += a->context_lens[t];
-    }
+            starts[num_blocks++] = t;
     starts[num_blocks] = num_tokens;
     return num_blocks;
-}
-
-/* bounds[t]..bounds[t + 1]: thread t's items (item i: block i / num_kv_heads), runs of about equal
- * total context. */
-static void split_items(const Args *a, const int64_t *weights, int64_t items, int num_threads, int64_t *bounds) {
-    int64_t total = 0, done = 0, item = 0;
-    for (int64_t i = 0; i < items; i++) total += weights[i / a->num_kv_heads];
-    bounds[0] = 0;
-    for (int t = 0; t < num_threads; t++) {
-        int64_t goal = total * (t + 1) / num_threads;
-        for (; item < items; item++) {
-            int64_t n = weights[item / a->num_kv_heads];
-            if (t < num_threads - 1 && done + n / 2 >= goal) break;
-            done += n;
-        }
-        bounds[t + 1] = item;
-    }
 }
 
 /* Writes every row of out. Returns OK, NO_MEMORY (out incomplete) or, with nothing written:
@@ -124,32 +101,34 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     Attend attend;
     int per_block = 1;
     AttendBlock attend_block = block_for(path_for(bf16, group, head_dim, &attend), bf16, group, head_dim, &per_block);
-    int64_t *starts = malloc(((size_t)num_tokens + 1) * 2 * sizeof *starts);
+    int64_t *starts = malloc(((size_t)num_tokens + 1) * sizeof *starts);
     if (starts == NULL) return NO_MEMORY;
-    int64_t *weights = starts + num_tokens + 1;
-    int64_t items = make_blocks(&args, num_tokens, per_block, starts, weights) * num_kv_heads;
-    int64_t bounds[MAX_THREADS + 1];
+    int64_t items = make_blocks(&args, num_tokens, per_block, starts) * num_kv_heads;
     num_threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
     if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
-    split_items(&args, weights, items, num_threads, bounds);
     size_t scores_bytes = (size_t)group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
     if (attend_block != NULL && block_scratch_bytes(max_context) > scores_bytes) scores_bytes = block_scratch_bytes(max_context);
+    /* The threads claim items one at a time (item i: query block i / num_kv_heads, KV head
+     * i % num_kv_heads), last first: a chunk's later queries attend to more positions, so the
+     * heaviest go first and the short ones even out the end; and a thread whose core another
+     * process takes for a while (the frontend, the scheduler) holds up the call by one item. */
+    int64_t claimed = 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        int first = 0, step = 1;  /* the runtime may grant fewer threads than asked */
-#if defined(_OPENMP)
-        first = omp_get_thread_num(), step = omp_get_num_threads();
-#endif
         float *scores = malloc(scores_bytes);
         failed |= scores == NULL;
-        for (int t = first; scores != NULL && t < num_threads; t += step)
-            for (int64_t i = bounds[t]; i < bounds[t + 1]; i++) {
-                int64_t b = i / num_kv_heads, query = starts[b];
-                int count = (int)(starts[b + 1] - query);
-                if (count > 1) attend_block(&args, query, count, (int)(i % num_kv_heads), scores);
-                else attend(&args, query, (int)(i % num_kv_heads), scores);
-            }
+        while (scores != NULL) {
+            int64_t i;
+#pragma omp atomic capture
+            i = claimed++;
+            i = items - 1 - i;
+            if (i < 0) break;
+            int64_t b = i / num_kv_heads, query = starts[b];
+            int count = (int)(starts[b + 1] - query);
+            if (count > 1) attend_block(&args, query, count, (int)(i % num_kv_heads), scores);
+            else attend(&args, query, (int)(i % num_kv_heads), scores);
+        }
         free(scores);
     }
     free(starts);

@@ -127,19 +127,28 @@ static void pack_rows(const float *x, int64_t x_stride, int64_t m0, int64_t m1, 
     }
 }
 
-/* The path for more than PACK_ROWS rows (see the top of the file). */
+/* The path for more than PACK_ROWS rows (see the top of the file). The threads claim blocks of at
+ * most MC rows one at a time, so that one whose core another process takes for a while (the
+ * frontend, the scheduler) holds up the call by a block instead of half of it; the block count is
+ * a multiple of the thread count, so that on a quiet machine each thread gets as many rows. */
 static int packed_rows(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
                        int64_t m, int64_t n, int64_t k, int num_threads) {
-    int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;
+    int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR, claimed = 0;
+    int64_t blocks = (m + MC - 1) / MC;
+    blocks = (blocks + num_threads - 1) / num_threads * num_threads;
+    int64_t block_rows = (groups + blocks - 1) / blocks * MR;  /* <= MC */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();  /* may be fewer than asked */
         float *buf = aligned_alloc(64, (size_t)MC * KC_PACKED * sizeof(float));
         failed = buf == NULL;
-        int64_t end = groups * (t + 1) / nt * MR < m ? groups * (t + 1) / nt * MR : m;
-        for (int64_t m0 = groups * t / nt * MR; buf != NULL && m0 < end; m0 += MC) {
-            int64_t m1 = m0 + MC < end ? m0 + MC : end;
+        while (buf != NULL) {
+            int64_t m0;
+#pragma omp atomic capture
+            m0 = claimed++;
+            m0 *= block_rows;
+            if (m0 >= m) break;
+            int64_t m1 = m0 + block_rows < m ? m0 + block_rows : m;
             for (int64_t k0 = 0; k0 < k; k0 += KC_PACKED) {
                 int64_t kc = k - k0 < KC_PACKED ? k - k0 : KC_PACKED;
                 pack_rows(x, x_stride, m0, m1, k0, kc, buf);
@@ -164,7 +173,8 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
     if (m > PACK_ROWS)
         return packed_rows(x, x_stride, panels, bias, y, m, n, k, num_threads);
     int64_t num_panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* panels claimed two at a time: see packed_rows */
+#pragma omp parallel for schedule(dynamic, 2) num_threads(num_threads)
     for (int64_t p = 0; p < num_panels; p++) {
         int64_t n0 = p * PANEL;
         int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
