@@ -8,12 +8,13 @@
  * Each tile keeps MR rows x 16 outputs in 12 registers and broadcasts one x element per row and k:
  * 12 FMAs per two weight loads.
  *
- * Up to PACK_ROWS rows: each thread takes a range of panels; for each block of KC inputs, the
+ * Up to PACK_ROWS rows: the threads claim panels two at a time; for each block of KC inputs, the
  * panel's block (16 KB) stays in L1 while every MR rows of x pass over it. W is read from memory
- * once per call. More rows: each thread takes its share of the rows, MC at a time, copies each
- * block of KC_PACKED inputs of them into its own buffer as [k][MR] per MR rows (one k of a tile is
- * then one 24-byte read, and the block stays in L2), and runs every panel over it; the threads need
- * no barrier. On the default model's shapes at 2048 rows this runs at 1.1-1.3x oneDNN's fp32 rate
+ * once per call. More rows: the threads claim blocks of at most MC rows, copy each block of
+ * KC_PACKED inputs of them into their own buffer as [k][MR] per MR rows (one k of a tile is then
+ * one 24-byte read, and the block stays in L2), and run every panel over it. Claimed work, not
+ * fixed shares: a thread whose core another process takes holds the call up by a block, not by
+ * half of it (docs/benchmarks.md, "Work the threads claim as they go"). On the default model's shapes at 2048 rows this runs at 1.1-1.3x oneDNN's fp32 rate
  * on an AVX2-only CPU (docs/benchmarks.md, "Prompt linears"). Layouts: x [m, k] with rows x_stride
  * apart, panels [ceil(n / 16), k, 16] (the last panel's missing features zero), y [m, n]
  * contiguous, all fp32.
