@@ -8,9 +8,10 @@
  * Each tile keeps MR rows x 16 outputs in 12 registers and broadcasts one x element per row and k:
  * 12 FMAs per two weight loads.
  *
- * Up to PACK_ROWS rows: the threads claim panels two at a time; for each block of KC inputs, the
- * panel's block (16 KB) stays in L1 while every MR rows of x pass over it. W is read from memory
- * once per call. More rows: the threads claim blocks of at most MC rows, copy each block of
+ * Up to PACK_ROWS rows: x is packed once as [k][MR] per MR rows (one k of a tile is one 24-byte
+ * read), then the threads claim panels two at a time; for each block of KC inputs, the panel's
+ * block (16 KB) stays in L1 while every MR rows of x pass over it. W is read from memory once per
+ * call. More rows: the threads claim blocks of at most MC rows, copy each block of
  * KC_PACKED inputs of them into their own buffer as [k][MR] per MR rows (one k of a tile is then
  * one 24-byte read, and the block stays in L2), and run every panel over it. Claimed work, not
  * fixed shares: a thread whose core another process takes holds the call up by a block, not by
@@ -173,19 +174,29 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
         return SKINNY_BAD_SHAPE;
     if (m > PACK_ROWS)
         return packed_rows(x, x_stride, panels, bias, y, m, n, k, num_threads);
-    int64_t num_panels = (n + PANEL - 1) / PANEL;
-    /* panels claimed two at a time: see packed_rows */
-#pragma omp parallel for schedule(dynamic, 2) num_threads(num_threads)
-    for (int64_t p = 0; p < num_panels; p++) {
-        int64_t n0 = p * PANEL;
-        int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
-        for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            int64_t kc = k - k0 < KC ? k - k0 : KC;
-            const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-            rows_by_panel(x + k0, x_stride, 1, MR * x_stride, m, panels + (p * k + k0) * PANEL, kc, y + n0,
-                          n, n_valid, k0 == 0, b);
+    int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;
+    /* x packed once as [group][k][MR]: one k of a tile is one 24-byte read, for every panel */
+    float *packed = aligned_alloc(64, ((size_t)groups * MR * k * sizeof(float) + 63) / 64 * 64);
+    if (packed == NULL) return SKINNY_NO_MEMORY;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            pack_rows(x, x_stride, g * MR, g * MR + MR < m ? g * MR + MR : m, 0, k, packed + g * MR * k);
+        /* (the loop's barrier: every group packed) panels claimed two at a time: see packed_rows */
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t p = 0; p < num_panels; p++) {
+            int64_t n0 = p * PANEL;
+            int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                int64_t kc = k - k0 < KC ? k - k0 : KC;
+                const float *b = bias && k0 + kc == k ? bias + n0 : 0;
+                rows_by_panel(packed + k0 * MR, 1, MR, MR * k, m, panels + (p * k + k0) * PANEL, kc, y + n0,
+                              n, n_valid, k0 == 0, b);
+            }
         }
     }
+    free(packed);
     return SKINNY_OK;
 }
 
