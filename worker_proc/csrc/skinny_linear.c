@@ -11,12 +11,13 @@
  * Up to PACK_ROWS rows: x is packed once as [k][MR] per MR rows (one k of a tile is one 24-byte
  * read), then the threads claim panels two at a time; for each block of KC inputs, the panel's
  * block (16 KB) stays in L1 while every MR rows of x pass over it. W is read from memory once per
- * call. More rows: the threads claim blocks of at most MC rows, copy each block of
- * KC_PACKED inputs of them into their own buffer as [k][MR] per MR rows (one k of a tile is then
- * one 24-byte read, and the block stays in L2), and run every panel over it. Claimed work, not
- * fixed shares: a thread whose core another process takes holds the call up by a block, not by
- * half of it (docs/benchmarks.md, "Work the threads claim as they go"). On the default model's shapes at 2048 rows this runs at 1.1-1.3x oneDNN's fp32 rate
- * on an AVX2-only CPU (docs/benchmarks.md, "Prompt linears"). Layouts: x [m, k] with rows x_stride
+ * call. More rows: the threads claim blocks of at most MC rows, copy each block of KC_PACKED
+ * inputs of them into their own buffer as [k][MR] per MR rows (one k of a tile is then one 24-byte
+ * read, and the block stays in L2), and run every panel over it. Claimed work, not fixed shares: a
+ * thread whose core another process takes holds the call up by a block, not by half of it
+ * (docs/benchmarks.md, "Work the threads claim as they go"). On the default model's shapes at 2048
+ * rows this runs at 1.1-1.3x oneDNN's fp32 rate on an AVX2-only CPU (docs/benchmarks.md, "Prompt
+ * linears"). Layouts: x [m, k] with rows x_stride
  * apart, panels [ceil(n / 16), k, 16] (the last panel's missing features zero), y [m, n]
  * contiguous, all fp32.
  */
@@ -172,6 +173,7 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
                       int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m < 1 || n < 1 || k < 1 || x_stride < k)
         return SKINNY_BAD_SHAPE;
+    num_threads = num_threads < 1 ? 1 : num_threads;
     if (m > PACK_ROWS)
         return packed_rows(x, x_stride, panels, bias, y, m, n, k, num_threads);
     int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;
