@@ -32,7 +32,8 @@ ALWAYS_INLINE __m256 valid_lanes(int start, int n) {  /* all-ones in lanes start
 /* Asks the caches for count rows of K or V (row_bytes from base) from position p on, block by block.
  * Spread over the pass, a tile at a time, instead of a whole block at its first position: 8 rows
  * ask for 32 lines, which the core's miss buffers take without stalling the loads of the tile at
- * hand (10-15% faster over 400 positions from memory: docs/benchmarks.md, "Decode attention"). */
+ * hand (5-11% faster over 400 positions from memory: docs/benchmarks.md, "Work the threads claim
+ * as they go"). */
 #define AHEAD 16 /* positions; 32 and 64 were no faster on an AVX2-only CPU */
 ALWAYS_INLINE void prefetch_rows(const Args *a, const int32_t *table, int p, int count, int n, const char *base,
                                  int row_bytes) {

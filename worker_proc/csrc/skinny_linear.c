@@ -17,9 +17,8 @@
  * thread whose core another process takes holds the call up by a block, not by half of it
  * (docs/benchmarks.md, "Work the threads claim as they go"). On the default model's shapes at 2048
  * rows this runs at 1.1-1.3x oneDNN's fp32 rate on an AVX2-only CPU (docs/benchmarks.md, "Prompt
- * linears"). Layouts: x [m, k] with rows x_stride
- * apart, panels [ceil(n / 16), k, 16] (the last panel's missing features zero), y [m, n]
- * contiguous, all fp32.
+ * linears"). Layouts: x [m, k] with rows x_stride apart, panels [ceil(n / 16), k, 16] (the last
+ * panel's missing features zero), y [m, n] contiguous, all fp32.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,7 +29,6 @@ enum { PANEL = 16 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#include <omp.h>
 
 enum { MR = 6, KC = 256, PACK_ROWS = 256, MC = 96, KC_PACKED = 1536 };
 
@@ -57,10 +55,9 @@ static inline void store16(float *dst, int n_valid, __m256 lo, __m256 hi) {
 }
 
 /* Adds (first: stores) the mr x 16 block of x[0..mr) . panel[0..kc) to y; bias (at the last k
- * block only) is added too. Row i's input t is x[i * rs + t * ks] (rs = the row stride and ks = 1,
- * or packed rows: rs = 1, ks = MR). mr is a constant at each call, so the accumulators stay in
- * registers; only n_valid of the 16 features are written. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t rs, int64_t ks, int mr,
+ * block only) is added too. x is a packed group: row i's input t at x[t * MR + i]. mr is a constant
+ * at each call, so the accumulators stay in registers; only n_valid of the 16 features are written. */
+static inline __attribute__((always_inline)) void tile(const float *x, int mr,
                                                        const float *panel, int64_t kc, float *y,
                                                        int64_t y_stride, int n_valid, int first,
                                                        const float *bias) {
@@ -72,7 +69,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t r
         __m256 w0 = _mm256_loadu_ps(panel + t * PANEL), w1 = _mm256_loadu_ps(panel + t * PANEL + 8);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + i * rs + t * ks);
+            __m256 xv = _mm256_broadcast_ss(x + t * MR + i);
             lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
             hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
         }
@@ -96,21 +93,21 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t r
 }
 
 /* Every row of x against one k block of one panel, MR rows at a time (the last block shorter);
- * row i's input t at x[i * rs + t * ks] as in tile, a packed group of MR rows mr_step apart. */
-static inline __attribute__((always_inline)) void rows_by_panel(const float *x, int64_t rs, int64_t ks,
-                                                                int64_t mr_step, int64_t m, const float *panel,
+ * x packed as in tile, a group of MR rows mr_step apart. */
+static inline __attribute__((always_inline)) void rows_by_panel(const float *x, int64_t mr_step, int64_t m,
+                                                                const float *panel,
                                                                 int64_t kc, float *y, int64_t y_stride,
                                                                 int n_valid, int first, const float *bias) {
     for (int64_t m0 = 0; m0 < m; m0 += MR) {
         const float *xr = x + m0 / MR * mr_step;
         float *yr = y + m0 * y_stride;
         switch (m - m0 < MR ? (int)(m - m0) : MR) {
-        case 1: tile(xr, rs, ks, 1, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 2: tile(xr, rs, ks, 2, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 3: tile(xr, rs, ks, 3, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 4: tile(xr, rs, ks, 4, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 5: tile(xr, rs, ks, 5, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        default: tile(xr, rs, ks, MR, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 1: tile(xr, 1, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 2: tile(xr, 2, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 3: tile(xr, 3, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 4: tile(xr, 4, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 5: tile(xr, 5, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        default: tile(xr, MR, panel, kc, yr, y_stride, n_valid, first, bias); break;
         }
     }
 }
@@ -159,7 +156,7 @@ static int packed_rows(const float *x, int64_t x_stride, const float *panels, co
                     int64_t n0 = p * PANEL;
                     int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
                     const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-                    rows_by_panel(buf, 1, MR, MR * kc, m1 - m0, panels + (p * k + k0) * PANEL, kc,
+                    rows_by_panel(buf, MR * kc, m1 - m0, panels + (p * k + k0) * PANEL, kc,
                                   y + m0 * n + n0, n, n_valid, k0 == 0, b);
                 }
             }
@@ -193,7 +190,7 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-                rows_by_panel(packed + k0 * MR, 1, MR, MR * k, m, panels + (p * k + k0) * PANEL, kc, y + n0,
+                rows_by_panel(packed + k0 * MR, MR * k, m, panels + (p * k + k0) * PANEL, kc, y + n0,
                               n, n_valid, k0 == 0, b);
             }
         }
