@@ -1,5 +1,6 @@
 """The native skinny linear (the linears of decode steps, and of every step where AVX2 is the widest
-fp32 path) equals F.linear at every ISA level this CPU can run that has it, for every row count's
+fp32 path) equals F.linear at every ISA level this CPU can run that has it (fp32; bf16 in
+test_worker_skinny_bf16.py), for every row count's
 block split (the packed-rows path above 256 rows too), ragged shapes (a partial last panel, several
 k blocks), a bias and strided rows; a model packed with it serves decode steps through it and
 larger ones through oneDNN, or all of them through it where it serves all rows, its LM head every
@@ -96,8 +97,8 @@ def test_any_layout_of_x_gives_the_same_result(kernel: skinny.SkinnyLinear, x: t
     torch.testing.assert_close(kernel.pack(weight)(x, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
-def test_only_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureFixture) -> None:
-    assert skinny.skinny_linear_for(torch.bfloat16, "") is None
+def test_fp32_on_a_cpu_with_avx2_gets_the_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    assert skinny.skinny_linear_for(torch.float16, "") is None
     try:
         native_kernel.load_native_library("baseline")
     except native_kernel.NativeBuildError as error:

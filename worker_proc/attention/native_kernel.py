@@ -21,7 +21,7 @@ from worker_proc.attention.native_build import NativeBuildError, build
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "load_paged_attention",
-           "vectorised_fp32_library", "vectorised_library"]
+           "vectorised_library"]
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_attend's C signature, in order (csrc/paged_attention.c).
@@ -157,17 +157,11 @@ def load_native_library(cpu_isa: str = "") -> tuple[ctypes.CDLL, Path, int | Non
     return library, path, cap
 
 
-def vectorised_fp32_library(dtype: torch.dtype, cpu_isa: str,
-                            probe: str) -> tuple[ctypes.CDLL, int | None] | str:
-    """vectorised_library for a path that computes in fp32 only."""
-    return vectorised_library(dtype, (torch.float32,), cpu_isa, probe)
-
-
 def vectorised_library(dtype: torch.dtype, dtypes: tuple[torch.dtype, ...], cpu_isa: str,
-                       probe: str) -> tuple[ctypes.CDLL, int | None] | str:
+                       probe: str, needs: str = "AVX2 + FMA") -> tuple[ctypes.CDLL, int | None] | str:
     """(the native library, its thread cap) when the model computes in one of `dtypes` and the
     library's `probe()` (a function of worker_proc/csrc returning 1 or 0) says this build, under
-    the ISA cap, vectorises that path; else why not."""
+    the ISA cap, vectorises that path; else why not (`needs`: what the probe asks of the build)."""
     if dtype not in dtypes:
         names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
         return f"the model computes in {str(dtype).removeprefix('torch.')}, the native path in {names}"
@@ -176,7 +170,7 @@ def vectorised_library(dtype: torch.dtype, dtypes: tuple[torch.dtype, ...], cpu_
     except NativeBuildError as error:
         return f"the native library is unavailable: {error}"
     if not getattr(library, probe)():
-        return f"{path.name} was built without AVX2 + FMA"
+        return f"{path.name} was built without {needs}"
     return library, cap
 
 

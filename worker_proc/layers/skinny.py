@@ -1,12 +1,17 @@
-"""The native skinny linear (worker_proc/csrc/skinny_linear.c): y = x W^T for the rows of a decode
-step, fp32 on AVX2 + FMA or better, and for every step where AVX2 is the widest fp32 path.
+"""The native skinny linears: y = x W^T for the rows of a decode step, on AVX2 + FMA or better.
 
-oneDNN's prepacked GEMM runs a decode step (1-64 rows) at a fraction of this machine's peak, and
-1-16 rows at a fraction of what streaming the weight allows. The kernel keeps its own copy of W in
-panels of 16 output features (pack_panels); the layer's plain weight is dropped. Where the library
-was built with AVX-512, oneDNN's packed copy beside it runs steps of more than MAX_ROWS rows; built
-for AVX2 (all_rows), the kernel's row-packing path runs them, faster than oneDNN there, and no
-oneDNN copy is kept. SmolLM2-135M: docs/benchmarks.md "Decode linears" and "Prompt linears".
+fp32 (worker_proc/csrc/skinny_linear.c): oneDNN's prepacked GEMM runs a decode step (1-64 rows) at a
+fraction of this machine's peak, and 1-16 rows at a fraction of what streaming the weight allows.
+The kernel keeps its own copy of W in panels of 16 output features (pack_panels); the layer's plain
+weight is dropped. Where the library was built with AVX-512, oneDNN's packed copy beside it runs
+steps of more than MAX_ROWS rows; built for AVX2 (all_rows), the kernel's row-packing path runs
+them, faster than oneDNN there, and no oneDNN copy is kept. SmolLM2-135M: docs/benchmarks.md
+"Decode linears" and "Prompt linears".
+
+bf16 (worker_proc/csrc/skinny_bf16.c), on AVX512-BF16 without AMX: the same panels as bf16 pairs
+(pack_pairs), one dpbf16 per pair of inputs; steps of up to MAX_ROWS rows, oneDNN's copy the rest.
+Where the CPU has AMX, oneDNN's AMX GEMM keeps the bf16 linears (the kernel is not measured against
+it). docs/benchmarks.md "Decode linears in bf16".
 """
 
 from __future__ import annotations
@@ -22,53 +27,74 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 256  # above this oneDNN's packed GEMM is faster, unless the kernel serves all rows (all_rows)
 PANEL = 16  # output features per panel of the packed weight (csrc/skinny_linear.c)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the C functions' names end so
 _NO_MEMORY = -3  # csrc/skinny_linear.c: SKINNY_NO_MEMORY
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[n, k] -> [ceil(n / PANEL), k, PANEL]: panel p holds output features PANEL * p onwards
-    k-major (the last panel's missing features zero), the kernel's weight layout."""
+    k-major (the last panel's missing features zero), the fp32 kernel's weight layout."""
     n, k = weight.shape
     if n % PANEL:
         weight = F.pad(weight, (0, 0, 0, PANEL - n % PANEL))
     return weight.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-class SkinnyLinear:
-    """The kernel. Calls release the GIL. Checks what C cannot: dtypes, layouts and shapes."""
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] (k even) -> [ceil(n / PANEL), k / 2, PANEL, 2]: pack_panels with each two inputs of a
+    feature side by side, the bf16 kernel's weight layout (one pair of inputs of a panel is one
+    dpbf16 operand)."""
+    n, k = weight.shape
+    if n % PANEL:
+        weight = F.pad(weight, (0, 0, 0, PANEL - n % PANEL))
+    return weight.reshape(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
 
-    def __init__(self, library: ctypes.CDLL, num_threads_cap: int | None) -> None:
-        self._linear = library.skinny_linear_f32
+
+class SkinnyLinear:
+    """The kernel of one dtype. Calls release the GIL. Checks what C cannot: dtypes, layouts and shapes."""
+
+    def __init__(self, library: ctypes.CDLL, num_threads_cap: int | None, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: float32 (skinny_linear.c) or bfloat16 (skinny_bf16.c), of x, W, bias and y."""
+        if dtype not in _SUFFIX:
+            raise ValueError(f"the skinny linear runs float32 or bfloat16, not {dtype}")
+        self.dtype, self._name = dtype, "fp32" if dtype == torch.float32 else "bf16"
+        self._linear = getattr(library, f"skinny_linear_{_SUFFIX[dtype]}")
         self._linear.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
         self._linear.restype = ctypes.c_int
         self.num_threads_cap = num_threads_cap
-        # Built with no fp32 vectors wider than AVX2's: then it serves steps of every size, faster
+        # fp32 built with no vectors wider than AVX2's: then it serves steps of every size, faster
         # than oneDNN there (docs/benchmarks.md, "Prompt linears"), and layers keep no oneDNN copy.
-        self.all_rows = bool(library.skinny_linear_all_rows())
+        self.all_rows = dtype == torch.float32 and bool(library.skinny_linear_all_rows())
 
     def pack(self, weight: torch.Tensor) -> SkinnyWeight:
-        """weight: fp32 [n, k], the layer's plain weight (not kept)."""
-        if weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"skinny linear needs an fp32 weight [n, k], got {weight.dtype} {tuple(weight.shape)}")
-        return SkinnyWeight(self, pack_panels(weight.detach()), weight.shape[0])
+        """weight: [n, k] of the kernel's dtype (k even for bf16), the layer's plain weight (not kept)."""
+        if weight.dtype != self.dtype or weight.dim() != 2 or (self.dtype == torch.bfloat16 and weight.shape[1] % 2):
+            even = " with k even" if self.dtype == torch.bfloat16 else ""
+            raise ValueError(f"skinny linear needs an {self._name} weight [n, k]{even}, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        pack = pack_pairs if self.dtype == torch.bfloat16 else pack_panels
+        return SkinnyWeight(self, pack(weight.detach()), weight.shape[0])
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
-        """x: fp32 [m, k] (rows any stride apart; copied first if a row's elements are not
-        contiguous); panels: pack_panels of an fp32 [out_features, k] weight; bias: fp32
-        [out_features] or None -> fp32 [m, out_features]."""
+        """x: [m, k] (rows any stride apart; copied first if a row's elements are not contiguous);
+        panels: pack_panels (fp32) or pack_pairs (bf16) of a weight [out_features, k]; bias:
+        [out_features] or None -> [m, out_features], all of the kernel's dtype."""
         m, k = x.shape
-        n = out_features
-        num_panels, weight_k = -(-n // PANEL), panels.shape[1] if panels.dim() == 3 else -1
-        if x.dtype != torch.float32 or panels.dtype != torch.float32 or not panels.is_contiguous() \
-                or panels.shape != (num_panels, weight_k, PANEL) or k != weight_k:
-            raise ValueError(f"skinny linear needs fp32 x [m, {weight_k}] and contiguous fp32 panels "
-                             f"[{num_panels}, {weight_k}, {PANEL}] of a weight [{n}, {weight_k}], got x "
+        n, name = out_features, self._name
+        num_panels = -(-n // PANEL)
+        weight_k = panels.shape[1] * (2 if self.dtype == torch.bfloat16 else 1) if panels.dim() >= 3 else -1
+        layout = (num_panels, weight_k, PANEL) if self.dtype == torch.float32 else (num_panels, weight_k // 2, PANEL, 2)
+        if x.dtype != self.dtype or panels.dtype != self.dtype or not panels.is_contiguous() \
+                or panels.shape != layout or k != weight_k:
+            shown = ", ".join(str(d) for d in layout)
+            raise ValueError(f"skinny linear needs {name} x [m, {weight_k}] and contiguous {name} panels "
+                             f"[{shown}] of a weight [{n}, {weight_k}], got x "
                              f"{x.dtype} {tuple(x.shape)} and panels {panels.dtype} {tuple(panels.shape)}")
         if x.stride(1) != 1 or (m > 1 and x.stride(0) < k):
             x = x.contiguous()
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"skinny linear needs a contiguous fp32 bias [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        if bias is not None and (bias.dtype != self.dtype or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"skinny linear needs a contiguous {name} bias [{n}], got {bias.dtype} {tuple(bias.shape)}")
         out = x.new_empty(m, n)
         num_threads = torch.get_num_threads()
         if self.num_threads_cap is not None:
@@ -97,18 +123,26 @@ class SkinnyWeight:
 
 
 def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
-    """The kernel when it serves this dtype on this CPU (fp32, built with AVX2 + FMA under the ISA
-    cap), else None with the reason logged: the layers then run oneDNN alone."""
-    from worker_proc.attention.native_kernel import vectorised_fp32_library
+    """The kernel when it serves this dtype on this CPU under the ISA cap (fp32 built with AVX2 +
+    FMA; bf16 built with AVX512-BF16, on a CPU without AMX), else None with the reason logged: the
+    layers then run oneDNN alone."""
+    from deploy.cpu_isa import cpu_isa as isa_of
+    from deploy.cpu_isa import read_cpu_flags
+    from worker_proc.attention.native_kernel import vectorised_library
 
-    found = vectorised_fp32_library(dtype, cpu_isa, "skinny_linear_supported")
+    if dtype == torch.bfloat16 and isa_of(read_cpu_flags(), cpu_isa).level == "amx":
+        log.info("linears: oneDNN only (bf16 on AMX: oneDNN's AMX GEMM)")
+        return None
+    probe, needs = (("skinny_linear_bf16_supported", "AVX512-BF16") if dtype == torch.bfloat16
+                    else ("skinny_linear_supported", "AVX2 + FMA"))
+    found = vectorised_library(dtype, tuple(_SUFFIX), cpu_isa, probe, needs)
     if isinstance(found, str):
         log.info("linears: oneDNN only (%s)", found)
         return None
-    kernel = SkinnyLinear(*found)
+    kernel = SkinnyLinear(*found, dtype)
     if kernel.all_rows:
         log.info("linears: every step through the native skinny linear (no fp32 vectors wider than AVX2's)")
     else:
-        log.info("linears: steps of at most %d rows through the native skinny linear, larger ones through "
-                 "oneDNN prepacked; the LM head through the skinny linear", MAX_ROWS)
+        log.info("linears: steps of at most %d rows through the native skinny linear (%s), larger ones through "
+                 "oneDNN prepacked; the LM head through the skinny linear", MAX_ROWS, kernel._name)
     return kernel
