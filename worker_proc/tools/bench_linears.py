@@ -1,0 +1,75 @@
+"""The skinny linear against oneDNN's prepacked GEMM on the default model's linear shapes.
+
+    python -m worker_proc.tools.bench_linears --dtype bfloat16 --rows 1,8,64,256
+
+For each row count, each shape (qkv, o, gate_up, down: 8 weights each, so that they come from
+memory as a model's 30 layers do; the LM head: one) runs through both paths in turn, repeat after
+repeat, keeping each path's fastest; "step" sums one decode step of SmolLM2-135M (30 layers, one
+LM head). Both paths' outputs are checked against the exact product first. Prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from worker_proc.layers.linear import packed_linear, prepack
+from worker_proc.layers.skinny import skinny_linear_for
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LAYERS = 30
+
+
+def fastest(call, copies: int, repeats: int) -> float:
+    """Seconds of one call, the fastest mean over `copies` weights of `repeats` rounds."""
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for i in range(copies):
+            call(i)
+    return (time.perf_counter() - start) / (repeats * copies)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--rows", default="1,8,64,256")
+    parser.add_argument("--cpu-isa", default="", help="the ISA cap the kernel is built under ('' = this CPU)")
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, args.dtype)
+    kernel = skinny_linear_for(dtype, args.cpu_isa)
+    if kernel is None:
+        raise SystemExit(f"no skinny linear for {args.dtype} here (the log line above says why)")
+    generator = torch.Generator().manual_seed(0)
+    for rows in (int(r) for r in args.rows.split(",")):
+        step = {"onednn": 0.0, "skinny": 0.0}
+        for name, (n, k) in SHAPES.items():
+            copies, repeats = (1, 3) if name == "lm_head" else (8, 10)
+            weights = [(torch.randn(n, k, generator=generator) * 0.05).to(dtype) for _ in range(copies)]
+            onednn, own = [prepack(w) for w in weights], [kernel.pack(w) for w in weights]
+            x = torch.randn(rows, k, generator=generator).to(dtype)
+            exact = x.double() @ weights[0].double().T
+            for got in (packed_linear(x, onednn[0], None), own[0](x, None)):
+                torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-2)
+            paths = {"onednn": lambda i: packed_linear(x, onednn[i], None), "skinny": lambda i: own[i](x, None)}
+            best = {label: float("inf") for label in paths}
+            for _ in range(args.rounds):  # alternating, so that both share the machine's noise
+                for label, call in paths.items():
+                    best[label] = min(best[label], fastest(call, copies, repeats))
+            for label in step:
+                step[label] += best[label] * (1 if name == "lm_head" else LAYERS)
+            print(json.dumps({"rows": rows, "shape": name, "onednn_us": round(best["onednn"] * 1e6, 1),
+                              "skinny_us": round(best["skinny"] * 1e6, 1),
+                              "speedup": round(best["onednn"] / best["skinny"], 2)}), flush=True)
+        print(json.dumps({"rows": rows, "shape": "step", "onednn_ms": round(step["onednn"] * 1e3, 2),
+                          "skinny_ms": round(step["skinny"] * 1e3, 2),
+                          "speedup": round(step["onednn"] / step["skinny"], 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
