@@ -126,11 +126,10 @@ def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
     """The kernel when it serves this dtype on this CPU under the ISA cap (fp32 built with AVX2 +
     FMA; bf16 built with AVX512-BF16, on a CPU without AMX), else None with the reason logged: the
     layers then run oneDNN alone."""
-    from deploy.cpu_isa import cpu_isa as isa_of
-    from deploy.cpu_isa import read_cpu_flags
+    from worker_proc.attention import has_matrix_units
     from worker_proc.attention.native_kernel import vectorised_library
 
-    if dtype == torch.bfloat16 and isa_of(read_cpu_flags(), cpu_isa).level == "amx":
+    if dtype == torch.bfloat16 and has_matrix_units(cpu_isa):
         log.info("linears: oneDNN only (bf16 on AMX: oneDNN's AMX GEMM)")
         return None
     probe, needs = (("skinny_linear_bf16_supported", "AVX512-BF16") if dtype == torch.bfloat16
