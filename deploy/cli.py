@@ -98,7 +98,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "answers 503 'stalled' (until they compute again, the step ends, or its "
                              "group is replaced at --step-timeout)")
     parser.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
-                        help="worker group replacements allowed within --restart-window; one more "
+                        help="restarts allowed within --restart-window, all processes counted "
+                             "together: a worker group replaced, the frontend restarted, or the "
+                             "scheduler replaced (with its worker group, one restart); one more "
                              "fault stops the stack")
     parser.add_argument("--restart-window", type=float, default=defaults.restart_window_s,
                         help="seconds over which --max-restarts counts")

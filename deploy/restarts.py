@@ -1,6 +1,6 @@
-"""How often the supervisor may replace a lost process (a worker group or the frontend, one budget
-for both): at most max_restarts within a sliding window of restart_window_s; the next fault stops
-the stack, naming the last causes."""
+"""How often the supervisor may replace a lost process (a worker group, the frontend or the
+scheduler, one budget for all): at most max_restarts within a sliding window of restart_window_s;
+the next fault stops the stack, naming the last causes."""
 
 from __future__ import annotations
 

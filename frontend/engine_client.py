@@ -218,13 +218,17 @@ class ZmqEngineClient:
         self._scheduler_pid, self._epoch = scheduler_pid, self._epoch + 1
         self.recovering, self._engine_stopping = True, False
         self.num_scheduler_replacements += 1
+        num_sequences_resubmitted = 0
         try:
             self._send(FrontendHello(os.getpid(), self._epoch))
-            for add in self._router.resubmissions():
+            adds = self._router.resubmissions()
+            for add in adds:
                 self._send(add)
+            num_sequences_resubmitted = sum(int(np.count_nonzero(~add.resume.finished)) for add in adds)
         except EngineUnavailableError as exc:
             num_failed = self._router.fail_all(f"could not resubmit to the new scheduler: {exc}")
             logger.error("could not resubmit to the new scheduler (%d requests failed): %s", num_failed, exc)
+        self._router.scheduler_replaced(num_sequences_resubmitted)
 
     def report_hung_scheduler(self) -> None:
         """Tell the supervisor (once per scheduler process) that ours has been silent too long."""

@@ -58,7 +58,7 @@ class EngineListener(Protocol):
 
     def on_protocol_error(self) -> None: ...
 
-    def on_scheduler_replaced(self) -> None: ...
+    def on_scheduler_replaced(self, num_sequences_resubmitted: int) -> None: ...
 
 
 class RequestRoute:
@@ -158,7 +158,7 @@ class OutputRouter:
 
     def resubmissions(self) -> list[AddRequest]:
         """A new scheduler replaced the lost one: the AddRequest that continues each open request
-        (routes with no choice left to run end now). Tell listeners (restart counters)."""
+        (routes with no choice left to run end now)."""
         adds = []
         for request_id, route in list(self._routes.items()):
             add = route.resubmission()
@@ -166,9 +166,13 @@ class OutputRouter:
                 del self._routes[request_id]
             else:
                 adds.append(add)
-        for listener in self._listeners:
-            listener.on_scheduler_replaced()
         return adds
+
+    def scheduler_replaced(self, num_sequences_resubmitted: int) -> None:
+        """Tell listeners (restart and recovery counters) that a new scheduler took over, with
+        `num_sequences_resubmitted` choices handed to it to run on (0 if the resubmission failed)."""
+        for listener in self._listeners:
+            listener.on_scheduler_replaced(num_sequences_resubmitted)
 
     def is_open(self, request_id: str) -> bool:
         return request_id in self._routes

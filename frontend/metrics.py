@@ -98,9 +98,12 @@ class FrontendMetrics:
         self.frontend_restarts = self.process_restarts.labels(model_name, "frontend")
         # Replaced schedulers this frontend recovered from (it sees each new one itself).
         self.scheduler_restarts = self.process_restarts.labels(model_name, "scheduler")
+        # The scheduler counts sequences requeued after a worker group loss, this frontend those
+        # it resubmits to a replacement scheduler (which does not count them again).
         self.requests_recovered = counter("requests_recovered_total",
-                                          "Running sequences requeued (tokens kept) when their worker "
-                                          "group was replaced.")
+                                          "Sequences continued (tokens kept) after a fault: running ones "
+                                          "requeued when their worker group was replaced, and open ones "
+                                          "resubmitted to a replacement scheduler.")
         self.request_success = Counter(PREFIX + "request_success_total", "Finished choices by reason.",
                                        ("model_name", "finished_reason"), registry=self.registry)
         for reason in filter(None, FinishReason):  # every series exists from the start
@@ -183,9 +186,12 @@ class FrontendMetrics:
     def on_protocol_error(self) -> None:
         self.protocol_errors.inc()
 
-    def on_scheduler_replaced(self) -> None:
-        """A new scheduler's running totals start from zero: count on from there."""
+    def on_scheduler_replaced(self, num_sequences_resubmitted: int) -> None:
+        """A new scheduler continues `num_sequences_resubmitted` open choices (recovered), and its
+        running totals start from zero: count on from there (the lost one's late frames are
+        dropped before they reach us, so nothing counts twice)."""
         self.scheduler_restarts.inc()
+        self.requests_recovered.inc(num_sequences_resubmitted)
         self._seen_totals = dict.fromkeys(self._seen_totals, 0)
 
     def render(self) -> bytes:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from frontend.engine_client import ZmqEngineClient
+from frontend.engine_client import EngineUnavailableError, ZmqEngineClient
 from frontend.engine_outputs import EngineDelta, OutputRouter
 from frontend.metrics import FrontendMetrics
 from proto import codec, sockets
@@ -26,15 +26,17 @@ PROMPT = np.array([5, 6, 7, 8], dtype=np.int32)
 
 
 def outputs(rows: list[tuple[str, int, list[int], str]], pid: int = 100, epoch: int = 0,
-            logprobs: LogprobEntries | None = None) -> StepOutputs:
-    """rows: (request id, choice index, new tokens, finish reason), from scheduler `pid`."""
+            logprobs: LogprobEntries | None = None, num_recovered_total: int = 0) -> StepOutputs:
+    """rows: (request id, choice index, new tokens, finish reason), from scheduler `pid`, whose
+    num_requests_recovered_total is `num_recovered_total`."""
     lengths = [len(r[2]) for r in rows]
     return StepOutputs(
         step_id=1, request_ids=[r[0] for r in rows],
         cu_new_tokens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
         new_token_ids=np.array([t for r in rows for t in r[2]], dtype=np.int32),
         finish_reasons=[FinishReason(r[3]) for r in rows], error_messages=[""] * len(rows),
-        stats=SchedulerStats(len(rows), 0, 0, 0.0, 0, scheduler_pid=pid, frontend_epoch=epoch),
+        stats=SchedulerStats(len(rows), 0, 0, 0.0, 0, scheduler_pid=pid, frontend_epoch=epoch,
+                             num_requests_recovered_total=num_recovered_total),
         choice_indices=np.array([r[1] for r in rows], dtype=np.int32),
         **({"logprobs": logprobs} if logprobs is not None else {}))
 
@@ -133,6 +135,48 @@ async def test_a_new_scheduler_gets_a_hello_then_the_request_resumed_and_stale_o
     rest = [delta async for delta in stream]
     assert [d.token_ids for d in rest] == [[13]] and rest[-1].finish_reason == FinishReason.LENGTH
     assert metrics.scheduler_restarts._value.get() == 1
+
+
+async def test_choices_resubmitted_to_a_new_scheduler_count_as_recovered_once_beside_worker_recoveries():
+    metrics = FrontendMetrics("tiny")
+    client = ZmqEngineClient("/nonexistent")
+    client._send = Sent()
+    client.add_listener(metrics)
+    stream = client.generate("r", PROMPT.tolist(), SamplingParams(max_tokens=8, temperature=0.0, n=3))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    rows = [("r", 0, [11], ""), ("r", 1, [21], "stop"), ("r", 2, [31], "")]
+    client.handle_frame(codec.encode(outputs(rows, pid=100, num_recovered_total=2)))  # a worker group lost
+    assert metrics.requests_recovered._value.get() == 2
+    client.handle_frame(codec.encode(outputs([], pid=200, epoch=-1, num_recovered_total=0)))
+    assert metrics.requests_recovered._value.get() == 4  # choices 0 and 2 run on; choice 1 had stopped
+    client.handle_frame(codec.encode(outputs([], pid=100, num_recovered_total=7)))  # the lost one, late
+    client.handle_frame(codec.encode(outputs([], pid=200, epoch=1, num_recovered_total=0)))
+    assert metrics.requests_recovered._value.get() == 4
+    client.handle_frame(codec.encode(outputs([], pid=200, epoch=1, num_recovered_total=1)))  # its own group lost
+    assert metrics.requests_recovered._value.get() == 5
+    assert metrics.scheduler_restarts._value.get() == 1
+    first.cancel()
+
+
+async def test_requests_that_could_not_be_resubmitted_fail_and_are_not_counted_as_recovered():
+    metrics = FrontendMetrics("tiny")
+    client = ZmqEngineClient("/nonexistent")
+
+    def refuse_resubmissions(message: object) -> None:
+        if isinstance(message, AddRequest) and message.resume is not None:
+            raise EngineUnavailableError("the scheduler is not accepting requests (inbox full)")
+
+    client._send = refuse_resubmissions
+    client.add_listener(metrics)
+    stream = client.generate("r", PROMPT.tolist(), SamplingParams(max_tokens=8, temperature=0.0))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    client.handle_frame(codec.encode(outputs([], pid=100)))
+    client.handle_frame(codec.encode(outputs([], pid=200, epoch=-1)))
+    failed = await first
+    assert failed.finish_reason == FinishReason.ERROR and "could not resubmit" in failed.error_message
+    assert metrics.requests_recovered._value.get() == 0 and metrics.scheduler_restarts._value.get() == 1
 
 
 async def test_a_silent_scheduler_is_reported_once_and_the_requests_are_held():

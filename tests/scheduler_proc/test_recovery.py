@@ -4,9 +4,21 @@ at the time (preemptions, shared prefix-cached blocks, n > 1 siblings, chunked p
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from scheduler_fakes import FakeWorker, Harness
+from scheduler_proc.engine import SchedulerEngine
+
+PREEMPTING = "a request preempted in the lost step"
+SHARING = "prefix-cached blocks shared by running requests"
+SIBLINGS = "an n > 1 request with several choices running"
+
+# Steps run before the lost one, and what the lost step holds at that point of the workload
+# (checked in the test, so a change of scheduling cannot make a situation vanish unnoticed).
+FAULT_POINTS = [(0, set()), (1, {SHARING}), (2, {PREEMPTING, SHARING}), (3, {SHARING}), (6, {SHARING}),
+                (10, {SHARING}), (11, {SHARING, SIBLINGS}), (15, {SHARING, SIBLINGS})]
 
 
 def workload(harness: Harness) -> None:
@@ -26,8 +38,24 @@ def fresh_worker(lost: FakeWorker, harness: Harness, num_blocks: int) -> FakeWor
     return worker
 
 
-@pytest.mark.parametrize("lost_after", [0, 1, 3, 6, 10, 15])
-def test_outputs_after_a_lost_group_equal_an_undisturbed_run(lost_after: int) -> None:
+def situations_in_flight(engine: SchedulerEngine, num_preemptions_before: int) -> set[str]:
+    """Which of PREEMPTING, SHARING, SIBLINGS hold for the step just scheduled (not yet applied)."""
+    situations = {PREEMPTING} if engine.queues.num_preemptions_total > num_preemptions_before else set()
+    pool = engine.block_manager.pool
+    block_ids = {b for request in engine.queues.running for b in request.block_ids.tolist()}
+    if any(pool.ref_count(b) > 1 and pool.key_of(b) is not None for b in block_ids):
+        situations.add(SHARING)
+    if max(Counter(r.request_id for r in engine.queues.running).values(), default=0) > 1:
+        situations.add(SIBLINGS)
+    return situations
+
+
+def test_the_fault_points_cover_a_preemption_shared_blocks_and_running_siblings() -> None:
+    assert set().union(*(expected for _, expected in FAULT_POINTS)) == {PREEMPTING, SHARING, SIBLINGS}
+
+
+@pytest.mark.parametrize("lost_after, expected", FAULT_POINTS)
+def test_outputs_after_a_lost_group_equal_an_undisturbed_run(lost_after: int, expected: set[str]) -> None:
     config = dict(max_num_seqs=4, max_num_batched_tokens=32)  # 24 blocks of 4: preemptions happen
     undisturbed = Harness(num_blocks=24, **config)
     workload(undisturbed)
@@ -38,8 +66,10 @@ def test_outputs_after_a_lost_group_equal_an_undisturbed_run(lost_after: int) ->
     workload(harness)
     for _ in range(lost_after):
         harness.step()
+    num_preemptions_before = harness.engine.queues.num_preemptions_total
     plan = harness.engine.schedule()  # in flight when the group is lost: never applied
     assert plan is not None
+    assert expected <= situations_in_flight(harness.engine, num_preemptions_before)
     running = len(harness.engine.queues.running)
     outputs = harness.engine.recover_lost_step()
     harness.log.record(outputs)
