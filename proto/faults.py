@@ -1,20 +1,27 @@
 """Test-only fault injection, shared by the worker (CONVEYOR_FAULT_INJECTION) and the scheduler
 (CONVEYOR_SCHEDULER_FAULT); tests set these variables, nothing else does.
 
-A fault reads `[rank=R,]step=N,action=kill|exit|stall[,once=PATH]` and fires at the first step
-whose id is >= N: kill sends its process SIGKILL, exit leaves with code 1, stall blocks the calling
-thread for good (SIGKILL is the only way out). With once=PATH it fires only if PATH does not exist
+A fault reads `[rank=R,]step=N,action=kill|exit|stall|segv|raise[,once=PATH]` and fires at the
+first step whose id is >= N: kill sends its process SIGKILL, exit leaves with code 1, stall blocks
+the calling thread for good (SIGKILL is the only way out), segv reads address 0 from native code (a
+real segmentation fault, as a bug in the native kernel would make), raise raises InjectedFault (a
+Python exception in the step). With once=PATH it fires only if PATH does not exist
 yet, and creates it, so the replacement process runs on; without it every replacement fires too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "exit", "stall")
+ACTIONS = ("kill", "exit", "stall", "segv", "raise")
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `raise` fault raises."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,10 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "exit":
             os._exit(1)
+        elif self.action == "segv":
+            ctypes.string_at(0)
+        elif self.action == "raise":
+            raise InjectedFault(f"injected fault at step {step_id}")
         else:
             threading.Event().wait()
 

@@ -31,6 +31,10 @@ from scheduler_proc.stop import stop_reason
 
 logger = logging.getLogger(__name__)
 
+# A sequence in this many failed steps ends with "error" even if it never failed alone: a fault
+# that only its batches raise must not restart the worker group until --max-restarts stops the server.
+MAX_FAILED_STEPS = 3
+
 
 class StepMismatchError(RuntimeError):
     """A StepResult that answers no plan in flight, or another step than the one in flight."""
@@ -199,6 +203,25 @@ class SchedulerEngine:
         self.block_manager.forget_cached_blocks()
         self.num_requests_recovered_total += recovered
         return self._outputs.build(step_id, self.stats(), 0.0)
+
+    def recover_failed_step(self, error: str) -> StepOutputs:
+        """A rank raised in the step in flight, and the group is replaced as after a lost step.
+        The input of a member may be what raises, and each replacement counts against
+        --max-restarts: a member that failed again alone in its step, or in MAX_FAILED_STEPS
+        steps, ends with "error"; the others are recovered (recover_lost_step) and owe a solo
+        step (Request.solo_owed), where one that raises again is found alone."""
+        step = self._in_flight
+        assert step is not None, "a failed step with no step in flight"
+        members = [request for request in step.batch.requests if not request.is_finished]
+        alone, now = len(members) == 1, time.time()
+        for request in members:
+            num_failed = request.step_failed()
+            if num_failed >= MAX_FAILED_STEPS or (alone and num_failed >= 2):
+                where = ", the last one alone" if alone else ""
+                self._finish(request, FinishReason.ERROR, f"the worker failed {num_failed} steps with this "
+                             f"request in them{where}: {error}", now=now)
+        self.policy.owe_solo_steps()
+        return self.recover_lost_step()
 
     def finish_all(self, error_message: str) -> StepOutputs:
         """Fail every unfinished choice (shutdown): none may end without its terminal output."""

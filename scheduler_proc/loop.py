@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -16,7 +17,7 @@ from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.faults import Fault
 from proto.control import ProcessFailed, ProcessReady, RestartWorkers
-from proto.messages import AbortRequest, AddRequest, FrontendHello, StepOutputs, StepPlan
+from proto.messages import AbortRequest, AddRequest, FrontendHello, StepOutputs, StepPlan, StepResult
 from scheduler_proc.admission import startup_capacity_error
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault
@@ -259,7 +260,18 @@ class SchedulerLoop:
         result, silent = self._workers.await_result(plan.step_id, started_s, deadline, self._step_heartbeat)
         if result is None:
             return self._lost_step(f"worker {ranks_text(silent)} did not answer step {plan.step_id}", silent)
+        if result.error:
+            return self._failed_step(result)
         return self.engine.apply_result(result)
+
+    def _failed_step(self, result: StepResult) -> StepOutputs:
+        """A rank raised in the step (its state is not trusted after that): the group is replaced
+        as after a lost step, and the step's members are recomputed one at a time, where an input
+        that raises again ends alone (SchedulerEngine.recover_failed_step)."""
+        cause = f"worker rank {result.rank} failed step {result.step_id}: {result.error}"
+        if self._should_exit():
+            return self.engine.apply_result(result)  # the stack stops: the step's requests fail
+        return self._replace_group(cause, lambda: self.engine.recover_failed_step(cause), [result.rank])
 
     def _lost_step(self, what: str, silent: list[int]) -> StepOutputs:
         """Ranks that died, or did not take or answer a step in time, lost the group's KV cache:
@@ -273,13 +285,22 @@ class SchedulerLoop:
         if self._should_exit():  # the stack stops (asked to, or past --max-restarts after this loss)
             self._lost_before_stop = cause if dead else ""  # silence is then the stop's, not a fault
             return self.engine.fail_running(self._stopping_message())
-        logger.error("%s; requeueing %d running requests and waiting for a new worker group", cause,
-                     len(self.engine.queues.running))
+        return self._replace_group(cause, self.engine.recover_lost_step, [] if dead else hung)
+
+    def _replace_group(self, cause: str, recover: Callable[[], StepOutputs],
+                       restart_ranks: list[int]) -> StepOutputs:
+        """Requeue the running requests (`recover`) and serve again once every rank of a new group
+        is ready; the supervisor replaces the group (it sees deaths itself; restart_ranks are
+        alive and must be killed first)."""
+        num_recovered = self.engine.num_requests_recovered_total
+        recovered = recover()
+        logger.error("%s; requeued %d running requests, waiting for a new worker group", cause,
+                     self.engine.num_requests_recovered_total - num_recovered)
         self._workers_serving = False
         self.num_worker_restarts += 1
-        self._send_outputs(self.engine.recover_lost_step(), wait=False)
-        if hung and not dead:  # after a death the supervisors replace the whole group anyway
-            sockets.send(self._control, RestartWorkers(np.asarray(hung, dtype=np.int32), cause))
+        self._send_outputs(recovered, wait=False)
+        if restart_ranks:
+            sockets.send(self._control, RestartWorkers(np.asarray(restart_ranks, dtype=np.int32), cause))
         self._workers.reopen()
         num_kv_blocks = self._await_workers()
         if num_kv_blocks is not None and num_kv_blocks < self.engine.block_manager.num_blocks:

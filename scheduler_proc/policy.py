@@ -38,6 +38,10 @@ class ContinuousPolicy:
     max_num_partial_prefills long prefills run per step. A long waiting prompt over that quota is
     skipped for this step, so shorter requests behind it are admitted; blocks are still strictly
     FCFS (nobody overtakes a request that waits for blocks).
+
+    Solo steps: after a worker raised in a step, each of its members owes a step of its own
+    (Request.solo_owed) and is scheduled alone until it samples a token; others are not
+    admitted past a waiting one that owes it.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, queues: RequestQueues) -> None:
@@ -46,8 +50,17 @@ class ContinuousPolicy:
         self.queues = queues
         self.num_padded_seat_steps_total = 0  # always 0: continuous batches hold no padding
         self._num_long_prefills = 0  # in the step being scheduled
+        self._solo_steps_owed = False  # set by owe_solo_steps; cleared once nobody owes one
+
+    def owe_solo_steps(self) -> None:
+        """A step failed: its members now owe solo steps (the engine marked them)."""
+        self._solo_steps_owed = True
 
     def schedule(self) -> ScheduledBatch:
+        if self._solo_steps_owed:
+            solo = self._solo_step()
+            if solo is not None:
+                return solo
         batch = ScheduledBatch()
         budget, block_size = self.config.max_num_batched_tokens, self.block_manager.block_size
         self._num_long_prefills = 0
@@ -72,6 +85,32 @@ class ContinuousPolicy:
 
     def drop_batch(self) -> None:
         """The workers were lost: nothing to give back (the engine requeued every running one)."""
+
+    def _solo_step(self) -> ScheduledBatch | None:
+        """The step of the running sequence that owes a solo step (a recompute may take several
+        chunks), else of the head of waiting if it owes one and gets a seat and its blocks; None:
+        schedule as usual (_admit stops at a waiting sequence that owes one, so blocks free up)."""
+        queues, block_manager, budget = self.queues, self.block_manager, self.config.max_num_batched_tokens
+        batch = ScheduledBatch()
+        owing = next((request for request in queues.running if request.solo_owed), None)
+        if owing is not None:
+            num_computed = owing.num_computed_tokens
+            num_tokens = min(owing.num_tokens - num_computed, budget)
+            if self._allocate_or_preempt(owing, num_computed + num_tokens):
+                batch.add(owing, num_computed, num_tokens)
+                return batch
+        head = next((request for request in queues.waiting if request.solo_owed), None)
+        if head is None:  # nobody owes one any more (a preempted owing one would be waiting)
+            self._solo_steps_owed = False
+            return None
+        if head is not queues.waiting[0] or len(queues.running) >= self.config.max_num_seqs:
+            return None
+        prefix = block_manager.computed_prefix(head)
+        num_tokens = min(head.num_tokens - len(prefix) * block_manager.block_size, budget)
+        if not start_member(head, prefix, num_tokens, batch, block_manager):
+            return None
+        queues.admit(0)
+        return batch
 
     def release(self, request: Request) -> None:
         """A running sequence finished: free its seat and blocks at once."""
@@ -100,6 +139,8 @@ class ContinuousPolicy:
         index = 0
         while index < len(queues.waiting) and budget > 0 and len(queues.running) < self.config.max_num_seqs:
             request = queues.waiting[index]
+            if request.solo_owed:
+                break  # it is admitted alone (_solo_step)
             prefix = block_manager.computed_prefix(request)
             num_remaining = request.num_tokens - len(prefix) * block_manager.block_size
             num_tokens = self._chunk_size(num_remaining, budget)
@@ -152,6 +193,10 @@ class StaticPolicy:
             if seat.is_finished:
                 self.block_manager.free(seat)
         self.seats.clear()
+
+    def owe_solo_steps(self) -> None:
+        """Static batches are never split (comparison only): an input that makes the worker raise
+        ends after the engine's MAX_FAILED_STEPS."""
 
     def release(self, request: Request) -> None:
         """A member finished: it keeps its seat and blocks until the whole batch has finished."""

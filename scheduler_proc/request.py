@@ -68,7 +68,6 @@ class Request:
         num_prompt_tokens = len(prompt_token_ids)
         self.request_id = request_id
         self.choice_index = choice_index
-        self.key = (request_id, choice_index)
         self.label = f"{request_id}#{choice_index}" if choice_index else request_id  # plan member name
         self.sampling_params = sampling_params
         self.seed = seed  # this choice's seed: derived from the client's, or from one drawn at add time
@@ -108,6 +107,10 @@ class Request:
         # fewer: CPython 3.11 stops sharing instance-dict keys beyond 30, and every attribute read
         # on the hot path gets slower (measured: +20% on a 256-sequence step at 31).
         self.grammar = grammar
+        # Steps that failed (a worker raised) with this sequence in the batch, positive while it
+        # owes a solo step (one that samples its next token with no other member: solo_owed),
+        # negated once it has sampled one. One signed field, not two: see the 30-attribute note.
+        self.failed_steps = 0
 
     def __repr__(self) -> str:
         return (f"Request({self.label!r}, {self.status.value}, computed={self.num_computed_tokens}/"
@@ -124,6 +127,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(request_id, choice_index): unique among live sequences. Derived, not stored (read on
+        allocation and release only), to stay within the 30-attribute note."""
+        return self.request_id, self.choice_index
+
+    @property
+    def solo_owed(self) -> bool:
+        """It was in a step that failed and has not sampled a token since: it runs alone until it
+        does, so that an input that makes the worker raise again does so in a step of its own."""
+        return self.failed_steps > 0
 
     @property
     def may_read_prefix_cache(self) -> bool:
@@ -189,6 +204,11 @@ class Request:
         self.finish_reason = reason
         self.error_message = error_message
 
+    def step_failed(self) -> int:
+        """A step with it in the batch failed: it owes a solo step. How many have failed so far."""
+        self.failed_steps = abs(self.failed_steps) + 1
+        return self.failed_steps
+
     def attach_plan_row(self, slot: int) -> None:
         assert self.slot < 0, f"{self} already holds plan row {self.slot}"
         self.slot = slot
@@ -223,6 +243,8 @@ class Request:
             self._token_ids.append(token_id)
             self.num_tokens += 1
             self.last_token_id = token_id
+            if self.failed_steps > 0:
+                self.failed_steps = -self.failed_steps
             if self.grammar is not None:
                 self.grammar.accept(token_id)
 

@@ -178,7 +178,7 @@ class WorkerGroup:
     def await_result(self, step_id: int, started_s: float, deadline: float,
                      while_waiting: Callable[[float, float], None]) -> tuple[StepResult | None, list[int]]:
         """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
-        Another rank's error fails the step as rank 0's own would. while_waiting(seconds the step
+        Another rank's error comes as rank 0's result with that rank's number. while_waiting(seconds the step
         has run, seconds its local ranks have been idle: RankProgress) is called every poll slice;
         a step idle past --stall-timeout is logged."""
         num_ranks, stall_s = self.config.tensor_parallel_size, self.config.stall_timeout_s
@@ -221,7 +221,7 @@ class WorkerGroup:
                            time.monotonic() - started_s)
         failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
         if failed is not None and failed.rank != 0:
-            return dataclasses.replace(answers[0], error=f"rank {failed.rank}: {failed.error}"), []
+            return dataclasses.replace(answers[0], error=failed.error, rank=failed.rank), []
         return answers[0], []
 
     def _log_stall(self, step_id: int, silent: list[int], running_s: float, idle_s: float) -> None:

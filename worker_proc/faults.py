@@ -1,6 +1,7 @@
 """Fault injection for the worker recovery tests (proto.faults), read from
-CONVEYOR_FAULT_INJECTION: `rank=R,step=N,action=kill|exit|stall[,once=PATH]`, several separated by
-';'. Rank R fires before the first plan whose step id is >= N; stall never answers."""
+CONVEYOR_FAULT_INJECTION: `rank=R,step=N,action=kill|exit|stall|segv|raise[,once=PATH]`, several
+separated by ';'. Rank R fires as it starts the first plan whose step id is >= N, inside the step
+(a raise is the step's own exception); stall never answers."""
 
 from __future__ import annotations
 

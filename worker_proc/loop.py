@@ -105,15 +105,18 @@ def serve(runner: ModelRunner | NullModelRunner, plans: zmq.Socket, results: zmq
                       "group %d (%d refused so far)", plan.step_id, plan.generation, generation,
                       counters.num_refused_plans)
             continue
-        faults.fire(plan.step_id)
-        result = execute_step(runner, plan)
+        result = execute_step(runner, plan, faults)
         counters.num_steps += 1
         sockets.send(results, result)
 
 
-def execute_step(runner: ModelRunner | NullModelRunner, plan: StepPlan) -> StepResult:
-    """A failed step becomes an error result, so the scheduler fails its requests instead of hanging."""
+def execute_step(runner: ModelRunner | NullModelRunner, plan: StepPlan,
+                 faults: FaultInjector | None = None) -> StepResult:
+    """A failed step (an exception, MemoryError included) becomes an error result instead of a
+    hang: the scheduler has the group replaced and its requests recomputed (scheduler_proc.loop)."""
     try:
+        if faults is not None:
+            faults.fire(plan.step_id)
         return runner.execute(plan)
     except Exception as exc:
         log.exception("step %d failed", plan.step_id)

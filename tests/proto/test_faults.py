@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from proto.faults import Fault, parse_faults
+from proto.faults import Fault, InjectedFault, parse_faults
 from scheduler_proc.faults import scheduler_fault
 from worker_proc.faults import FaultInjector
 
@@ -23,7 +26,7 @@ def test_several_worker_faults_parse_and_each_rank_keeps_its_own() -> None:
     ("step=3,action=kill", True, "cannot read 'step=3,action=kill'"),  # no rank
     ("rank=0,step=3,action=kill", False, "unknown keys ['rank']"),  # a scheduler has no ranks
     ("rank=0,step=three,action=kill", True, "cannot read"),
-    ("rank=0,step=3,action=explode", True, "an action not in ('kill', 'exit', 'stall')"),
+    ("rank=0,step=3,action=explode", True, "an action not in ('kill', 'exit', 'stall', 'segv', 'raise')"),
     ("rank=0,step=3,action=kill,when=now", True, "unknown keys ['when']"),
     ("rank=0,step=3,action", True, "cannot read"),
 ])
@@ -48,3 +51,17 @@ def test_a_fault_waits_for_its_step_and_once_claims_its_file(tmp_path: Path) -> 
     once.touch()  # an earlier process fired it: this one runs on
     fault.fire(5)
     fault.fire(6)
+
+
+def test_a_raise_fault_raises_in_the_caller_at_its_step_and_only_once_with_once(tmp_path: Path) -> None:
+    fault = Fault(3, "raise", str(tmp_path / "fired"))
+    fault.fire(2)
+    with pytest.raises(InjectedFault, match="injected fault at step 3"):
+        fault.fire(3)
+    fault.fire(4)  # claimed: the replacement runs on
+
+
+def test_a_segv_fault_ends_its_process_with_a_segmentation_fault() -> None:
+    code = "from proto.faults import Fault; Fault(1, 'segv').fire(1); print('survived')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGSEGV and "survived" not in done.stdout

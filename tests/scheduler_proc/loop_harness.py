@@ -27,9 +27,10 @@ class WorkerThread:
 
     def __init__(self, context: zmq.Context, runtime_dir: str, rank: int = 0, answers: bool = True,
                  error: str = "", expected: FakeWorker | None = None, generation: int = 0,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", num_blocks: int = NUM_BLOCKS) -> None:
         """expected: a lost worker whose requests this one (its replacement) continues;
-        generation: the worker group it reports (a replacement's is above the lost one's)."""
+        generation: the worker group it reports (a replacement's is above the lost one's);
+        num_blocks: the KV blocks it reports ready with."""
         self.fake = FakeWorker(NUM_BLOCKS, TEST_CONFIG.block_size)
         if expected is not None:
             self.fake.sequences = {key: list(tokens) for key, tokens in expected.sequences.items()}
@@ -37,6 +38,7 @@ class WorkerThread:
         self.plans = sockets.connect(context, zmq.PULL, runtime_dir, sockets.plan_channel(rank))
         self.results = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.RESULTS)
         self.rank, self.answers, self.error, self.generation, self.dtype = rank, answers, error, generation, dtype
+        self.num_blocks = num_blocks
         self.plan_generations: list[int] = []  # StepPlan.generation of every plan it got
         self.noise_before_next_result: list[bytes] = []  # frames sent just before the next result
         self._stop = threading.Event()
@@ -44,7 +46,7 @@ class WorkerThread:
         self._thread.start()
 
     def _run(self) -> None:
-        sockets.send(self.results, WorkerReady(self.rank, NUM_BLOCKS, os.getpid(), self.generation, self.dtype))
+        sockets.send(self.results, WorkerReady(self.rank, self.num_blocks, os.getpid(), self.generation, self.dtype))
         while not self._stop.is_set():
             frame = sockets.recv_ready(self.plans, 0.05)
             if frame is None or not self.answers:
@@ -74,7 +76,8 @@ class Frontend:
         self.requests = sockets.connect(context, zmq.PUSH, runtime_dir, sockets.REQUESTS)
         self.outputs = sockets.connect(context, zmq.PULL, runtime_dir, sockets.OUTPUTS)
         self.log = OutputLog()
-        self.worker = worker
+        self.worker = worker  # rank 0, whose FakeWorker checks every plan
+        self.workers: list[WorkerThread] = []  # every rank running_loop started
 
     def add(self, request_id: str, num_prompt: int, max_tokens: int, n: int = 1) -> None:
         prompt = (100 + np.arange(num_prompt)).astype(np.int32)
@@ -117,6 +120,7 @@ def running_loop(silent_ranks: tuple[int, ...] = (), failing_ranks: tuple[int, .
                             error="boom" if rank in failing_ranks else "")
                for rank in range(config.tensor_parallel_size)]
     frontend = Frontend(context, runtime_dir, workers[0])
+    frontend.workers = workers
     try:
         yield loop, frontend, control
     finally:

@@ -134,12 +134,53 @@ def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> No
         assert loop.num_protocol_errors == 0
 
 
-def test_an_error_on_another_rank_fails_the_step_like_rank_0s_own() -> None:
-    with running_loop(failing_ranks=(1,), tensor_parallel_size=2) as (_loop, frontend, _control):
+def test_a_new_group_with_fewer_kv_blocks_ends_the_loop_naming_both_counts_and_fails_requeued_requests() -> None:
+    with running_loop(silent_ranks=(0,), step_timeout_s=0.5, ready_timeout_s=10.0) as (loop, frontend, control):
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
         frontend.add("a", 4, max_tokens=3)
-        frontend.wait_finished("a")
-        assert frontend.log.finish_reasons["a"] == "error"
-        assert "rank 1: boom" in frontend.log.error_messages["a"]
+        frontend.add("b", 6, max_tokens=3, n=2)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), RestartWorkers)
+        lost = frontend.receive(timeout_s=3.0)
+        while lost.stats.num_worker_restarts_total == 0:
+            lost = frontend.receive(timeout_s=3.0)
+        assert lost.stats.num_requests_recovered_total >= 1 and lost.stats.num_running == 0
+        frontend.worker.close()
+        smaller = WorkerThread(frontend.requests.context, loop.config.runtime_dir, rank=0,
+                               expected=frontend.worker.fake, generation=1, num_blocks=NUM_BLOCKS // 2)
+        try:
+            frontend.wait_finished("a", "b", "b#1")
+            failures = [codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES) for _ in range(2)]
+        finally:
+            smaller.close()
+        assert frontend.log.finish_reasons == {"a": "error", "b": "error", "b#1": "error"}
+        assert all("no worker group after: worker rank 0 did not answer" in message
+                   for message in frontend.log.error_messages.values())
+        assert all(isinstance(failure, ProcessFailed) for failure in failures)
+        assert f"the new worker group has {NUM_BLOCKS // 2} KV blocks, the lost one had {NUM_BLOCKS}" \
+            in failures[0].message
+        assert "no worker group after" in failures[1].message  # run() ends with exit code 3
+        assert smaller.plan_generations == []
+        assert loop.engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_an_error_on_another_rank_replaces_the_group_killing_that_rank_and_the_request_finishes() -> None:
+    with running_loop(failing_ranks=(1,), tensor_parallel_size=2, ready_timeout_s=10.0) as (loop, frontend, control):
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
+        frontend.add("a", 4, max_tokens=3)
+        restart = codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES)
+        assert isinstance(restart, RestartWorkers) and restart.ranks.tolist() == [1]
+        assert "worker rank 1 failed step" in restart.reason and "boom" in restart.reason
+        for worker in frontend.workers:  # the supervisor replaces the whole group
+            worker.close()
+        replacements = [WorkerThread(frontend.requests.context, loop.config.runtime_dir, rank=rank,
+                                     expected=frontend.worker.fake, generation=1) for rank in range(2)]
+        try:
+            frontend.wait_finished("a")
+        finally:
+            for replacement in replacements:
+                replacement.close()
+        assert frontend.log.finish_reasons["a"] == "length" and len(frontend.log.tokens["a"]) == 3
+        assert loop.num_worker_restarts == 1 and loop.num_protocol_errors == 0
 
 
 def start_up_failure(dtypes: list[str]) -> tuple[int, str]:
