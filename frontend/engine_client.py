@@ -20,6 +20,7 @@ from proto import codec, sockets
 from proto.errors import ProtocolError
 from proto.grammar import GrammarSpec
 from proto.messages import AbortRequest, AddRequest, FrontendHello, SchedulerStats, StepOutputs
+from proto.processes import process_alive
 from proto.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,11 @@ class ZmqEngineClient:
     def __init__(self, runtime_dir: str, alive_timeout_s: float = ALIVE_TIMEOUT_S,
                  dead_after_s: float = 120.0 + ALIVE_TIMEOUT_S, max_frame_bytes: int = -1,
                  hang_after_s: float = HANG_AFTER_S,
-                 on_scheduler_hung: Callable[[int, str], None] | None = None) -> None:
+                 on_scheduler_hung: Callable[[int, str], None] | None = None,
+                 scheduler_alive: Callable[[int], bool] = process_alive) -> None:
         """`dead_after_s` must exceed the longest legitimate silence (a scheduler's replacement);
-        `max_frame_bytes` (proto.sockets.max_frame_bytes) caps an OUTPUTS frame, -1 = no cap."""
+        `max_frame_bytes` (proto.sockets.max_frame_bytes) caps an OUTPUTS frame, -1 = no cap;
+        `scheduler_alive(pid)` looks at the scheduler's process (it runs on this node)."""
         self._runtime_dir = runtime_dir
         self._max_frame_bytes = max_frame_bytes
         self._alive_timeout_s = alive_timeout_s
@@ -107,6 +110,7 @@ class ZmqEngineClient:
         self._replaced_pids: set[int] = set()  # schedulers we moved away from: their frames are stale
         self.recovering = False  # a new scheduler is taking over: requests are held, not failed
         self.num_scheduler_replacements = 0
+        self._scheduler_alive = scheduler_alive
 
     async def start(self) -> None:
         self._context = zmq.Context()
@@ -142,10 +146,13 @@ class ZmqEngineClient:
         self._router.add_listener(listener)
 
     def is_alive(self) -> bool:
-        """A message was RECEIVED within `alive_timeout_s` (our clock, never the scheduler's) and the
-        scheduler has not said it is stopping."""
+        """A message was RECEIVED within `alive_timeout_s` (our clock, never the scheduler's), the
+        scheduler has not said it is stopping, and its process has not exited: a killed scheduler
+        says nothing, and /health must not wait out its silence to turn 503."""
         heard = self._last_received_s is not None and not self._engine_stopping and not self.recovering
-        return heard and self.seconds_since_last_message() < self._alive_timeout_s
+        if not heard or self.seconds_since_last_message() >= self._alive_timeout_s:
+            return False
+        return not self._scheduler_pid or self._scheduler_alive(self._scheduler_pid)
 
     def seconds_since_last_message(self) -> float:
         since = self._started_s if self._last_received_s is None else self._last_received_s

@@ -18,12 +18,12 @@ from proto.errors import ValidationError
 from proto.faults import Fault
 from proto.control import ProcessFailed, ProcessReady, RestartWorkers
 from proto.messages import AbortRequest, AddRequest, FrontendHello, StepOutputs, StepPlan, StepResult
+from proto.processes import process_alive
 from scheduler_proc.admission import startup_capacity_error
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault
 from scheduler_proc.frontend_watch import FrontendWatch
-from scheduler_proc.worker_group import (POLL_SLICE_S, FrameReader, WorkerGroup, process_alive, ranks_text,
-                                         send_frame)
+from scheduler_proc.worker_group import POLL_SLICE_S, FrameReader, WorkerGroup, ranks_text, send_frame
 
 logger = logging.getLogger(__name__)
 

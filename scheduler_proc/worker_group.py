@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -18,6 +17,7 @@ from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
 from proto.messages import StepResult, WorkerReady
+from proto.processes import process_alive
 from scheduler_proc.rank_progress import RankProgress
 
 Message = TypeVar("Message")
@@ -238,18 +238,3 @@ class WorkerGroup:
 def ranks_text(ranks: list[int]) -> str:
     """'rank 1' or 'ranks 0, 2'."""
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def process_alive(pid: int) -> bool:
-    """False once the process has exited (a zombie its parent has not reaped yet included)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True

@@ -7,6 +7,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -210,3 +211,59 @@ def stream_burst(url: str, prompts: list[str], params: list[dict], max_tokens: i
         async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
             return await asyncio.gather(*(one(client, p, q) for p, q in zip(prompts, params)))
     return asyncio.run(burst())
+
+
+class HealthWatch(threading.Thread):
+    """Polls /health every period_s; keeps (time.time(), status code) pairs (0: no answer)."""
+
+    def __init__(self, url: str, period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.url, self.period_s, self.samples, self.stop = url, period_s, [], threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self.stop.is_set():
+                try:
+                    code = client.get(f"{self.url}/health").status_code
+                except httpx.HTTPError:
+                    code = 0
+                self.samples.append((time.time(), code))
+                time.sleep(self.period_s)
+
+    def finish(self, after_s: float = 0.0) -> None:
+        """Keep polling after_s more seconds, then stop."""
+        time.sleep(after_s)
+        self.stop.set()
+        self.join()
+
+
+def timed_stream(url: str, prompt: str, max_tokens: int) -> list[float]:
+    """Stream one greedy completion; the time.time() at which each token chunk arrived, after
+    checking that it ended with finish_reason "length" and [DONE]."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    arrivals, lines = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            lines.append(line)
+            if line.startswith("data: {") and any(c["text"] for c in json.loads(line[6:])["choices"]):
+                arrivals.append(time.time())
+    events = sse_events(lines)
+    chunks = [event for event in events[:-1] if event["choices"]]
+    assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return arrivals
+
+
+def assert_health_follows_recovery(samples: list[tuple[float, int]], fault_s: float, arrivals: list[float],
+                                   within_s: float = 1.0) -> None:
+    """/health turned 503 within within_s of the fault at fault_s, stayed 503, and was 200 again
+    within a second of serving again: of the first token after the stream's longest pause."""
+    pause = max(range(1, len(arrivals)), key=lambda i: arrivals[i] - arrivals[i - 1])
+    resumed_s = arrivals[pause]
+    assert resumed_s - arrivals[pause - 1] > 1.0, f"no pause in the stream: {arrivals}"
+    unhealthy = next((t for t, code in samples if t > fault_s and code == 503), None)
+    assert unhealthy is not None and unhealthy - fault_s < within_s, \
+        f"/health turned 503 {None if unhealthy is None else unhealthy - fault_s} s after the fault: {samples}"
+    healthy = next((t for t, code in samples if t > unhealthy and code == 200), None)
+    assert healthy is not None and abs(healthy - resumed_s) < 1.0, \
+        f"/health turned 200 {None if healthy is None else healthy - resumed_s} s after serving again"

@@ -1,12 +1,14 @@
 """The frontend's side of a replaced scheduler: each open request keeps what it has received per
 choice, a new scheduler gets a hello with the next epoch and then every open request with exactly
 those tokens (AddRequest.resume), outputs sent before the resubmissions (or by the lost scheduler)
-are dropped, and a silent scheduler is reported once."""
+are dropped, a silent scheduler is reported once, and an exited one is not alive."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -104,7 +106,8 @@ class Sent(list):
 
 
 def client_with_request(metrics: FrontendMetrics | None = None) -> tuple[ZmqEngineClient, Sent, object]:
-    client, sent = ZmqEngineClient("/nonexistent"), Sent()
+    # Schedulers 100 and 200 are frames fed by hand: no process to look at.
+    client, sent = ZmqEngineClient("/nonexistent", scheduler_alive=lambda pid: True), Sent()
     client._send = sent  # the transport-free client: what it would send
     if metrics is not None:
         client.add_listener(metrics)
@@ -223,3 +226,18 @@ async def test_thousands_of_open_requests_are_all_resubmitted_to_a_scheduler_not
         await client.close()
         context.destroy(linger=0)
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_a_scheduler_whose_process_exited_is_not_alive_before_its_silence_says_so():
+    """A killed scheduler sends nothing: /health must not wait out alive_timeout_s to turn 503."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        client = ZmqEngineClient("/nonexistent", alive_timeout_s=60.0)
+        client.handle_frame(codec.encode(outputs([], pid=sleeper.pid)))
+        assert client.is_alive()
+        sleeper.kill()
+        sleeper.wait()
+        assert not client.is_alive()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

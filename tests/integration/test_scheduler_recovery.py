@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from support import children_of, metric_value, recovery_workload, stream_burst, supervised, tiny_config
+from support import (HealthWatch, assert_health_follows_recovery, children_of, metric_value, recovery_workload,
+                     stream_burst, supervised, timed_stream, tiny_config)
 
 from deploy.launcher import Stack
 
@@ -38,23 +38,6 @@ def scheduler_pid(stack: Stack) -> int:
     return next(c.process.pid for c in stack.children if c.module == "scheduler_proc")
 
 
-class HealthWatch(threading.Thread):
-    """Polls /health every 0.2 s; keeps (time.time(), status code) pairs."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.samples, self.stop = url, [], threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                code = httpx.get(f"{self.url}/health", timeout=5).status_code
-            except httpx.HTTPError:
-                code = 0
-            self.samples.append((time.time(), code))
-            time.sleep(0.2)
-
-
 @pytest.mark.parametrize("action", ["kill", "exit"])
 def test_eight_streams_finish_with_undisturbed_text_when_the_scheduler_dies_mid_generation(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -73,6 +56,19 @@ def test_eight_streams_finish_with_undisturbed_text_when_the_scheduler_dies_mid_
         assert not reasons  # the watch still runs
 
 
+def test_health_is_503_within_a_second_of_the_scheduler_being_killed_and_200_within_a_second_of_serving_again(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fired = tmp_path / "fired"
+    with faulty_stack(tiny_model_dir, monkeypatch, f"step=6,action=kill,once={fired}") as stack, supervised(stack):
+        health = HealthWatch(stack.url, period_s=0.05)
+        health.start()
+        try:
+            arrivals = timed_stream(stack.url, PROMPTS[0], MAX_TOKENS)
+        finally:
+            health.finish(after_s=1.2)
+    assert_health_follows_recovery(health.samples, fired.stat().st_mtime, arrivals)
+
+
 def test_a_hung_scheduler_is_reported_replaced_and_its_streams_finish_with_undisturbed_text(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         undisturbed: list[tuple[str, str]]) -> None:
@@ -85,8 +81,7 @@ def test_a_hung_scheduler_is_reported_replaced_and_its_streams_finish_with_undis
         try:
             assert run_burst(stack.url) == undisturbed
         finally:
-            health.stop.set()
-            health.join()
+            health.finish()
         assert scheduler_pid(stack) != first_pid
         assert metric_value(stack.url, "conveyor:process_restarts_total", process="scheduler") == 1
         stalled_s = fired.stat().st_mtime

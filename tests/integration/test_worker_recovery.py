@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import children_of, metric_value, recovery_workload, stream_burst, supervised, tiny_config
+from support import (HealthWatch, assert_health_follows_recovery, children_of, metric_value, recovery_workload,
+                     stream_burst, supervised, timed_stream, tiny_config)
 
 from deploy.launcher import Stack, StartupError
 
@@ -34,8 +35,8 @@ def faulty_stack(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, faults: 
     return Stack(tiny_config(tiny_model_dir, **config))
 
 
-@pytest.mark.parametrize("action", ["kill", "exit", "stall"])
-def test_eight_streams_finish_with_undisturbed_text_when_a_worker_dies_or_hangs_mid_generation(
+@pytest.mark.parametrize("action", ["kill", "exit", "stall", "segv", "raise"])
+def test_eight_streams_finish_with_undisturbed_text_when_a_worker_dies_hangs_or_raises_mid_generation(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         undisturbed: list[tuple[str, str]], action: str) -> None:
     faults = f"rank=0,step=6,action={action},once={tmp_path / 'fired'}"
@@ -60,22 +61,56 @@ def test_two_faults_in_a_row_and_a_tensor_parallel_rank_are_recovered_too(
         assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 2
 
 
-def test_health_is_503_while_the_group_is_replaced_and_200_once_it_serves(
+@pytest.mark.parametrize("action", ["kill", "raise"])
+def test_health_is_503_within_a_second_of_a_worker_fault_and_200_within_a_second_of_serving_again(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
+    fired = tmp_path / "fired"
+    with faulty_stack(tiny_model_dir, monkeypatch, f"rank=0,step=6,action={action},once={fired}") as stack, \
+            supervised(stack):
+        health = HealthWatch(stack.url, period_s=0.05)
+        health.start()
+        try:
+            arrivals = timed_stream(stack.url, PROMPTS[0], MAX_TOKENS)
+        finally:
+            health.finish(after_s=1.2)
+    assert_health_follows_recovery(health.samples, fired.stat().st_mtime, arrivals)
+
+
+def test_a_hung_worker_turns_health_503_within_the_stall_timeout_and_200_once_replaced(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    faults = f"rank=0,step=3,action=stall,once={tmp_path / 'fired'}"
-    with faulty_stack(tiny_model_dir, monkeypatch, faults, step_timeout_s=2.0) as stack, supervised(stack):
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(httpx.post, f"{stack.url}/v1/completions", json=body, timeout=60)
-            statuses = []
-            deadline = time.monotonic() + 60
-            while not pending.done() and time.monotonic() < deadline:
-                statuses.append(httpx.get(f"{stack.url}/health", timeout=5).status_code)
-                time.sleep(0.2)
-            response = pending.result()
-        statuses.append(httpx.get(f"{stack.url}/health", timeout=5).status_code)
-    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
-    assert 503 in statuses and statuses[-1] == 200  # 503 while replaced, then serving again
+    fired = tmp_path / "fired"
+    with faulty_stack(tiny_model_dir, monkeypatch, f"rank=0,step=6,action=stall,once={fired}",
+                      step_timeout_s=4.0, stall_timeout_s=2.0) as stack, supervised(stack):
+        health = HealthWatch(stack.url, period_s=0.05)
+        health.start()
+        try:
+            arrivals = timed_stream(stack.url, PROMPTS[0], MAX_TOKENS)
+        finally:
+            health.finish(after_s=1.2)
+    assert_health_follows_recovery(health.samples, fired.stat().st_mtime, arrivals, within_s=2.0 + 1.0)
+
+
+def test_requests_that_arrive_while_the_group_is_replaced_wait_in_the_queue_and_finish(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        undisturbed: list[tuple[str, str]]) -> None:
+    fired = tmp_path / "fired"
+    with faulty_stack(tiny_model_dir, monkeypatch, f"rank=0,step=6,action=kill,once={fired}") as stack, \
+            supervised(stack), ThreadPoolExecutor(2) as pool:
+        health = HealthWatch(stack.url, period_s=0.05)
+        health.start()
+        try:
+            first = pool.submit(run_burst, stack.url)
+            while not any(code == 503 for _, code in health.samples) and not first.done():
+                time.sleep(0.01)
+            arrived_s = time.time()
+            second = pool.submit(run_burst, stack.url)  # while no group serves
+            assert first.result() == undisturbed and second.result() == undisturbed
+        finally:
+            health.finish()
+        assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 1
+    # They were sent while /health was 503 (no group served): they waited in the queue, not refused.
+    lost_s = next(t for t, code in health.samples if code == 503)
+    assert arrived_s < next(t for t, code in health.samples if t > lost_s and code == 200)
 
 
 def test_past_max_restarts_the_stack_stops_naming_the_worker_and_its_causes_and_leaves_no_process(
