@@ -254,6 +254,18 @@ def timed_stream(url: str, prompt: str, max_tokens: int) -> list[float]:
     return arrivals
 
 
+def watched_stream(url: str, prompt: str, max_tokens: int) -> tuple[list[float], list[tuple[float, int]]]:
+    """timed_stream with /health polled every 50 ms meanwhile and 1.2 s after: (the token
+    arrivals, the HealthWatch samples)."""
+    health = HealthWatch(url, period_s=0.05)
+    health.start()
+    try:
+        arrivals = timed_stream(url, prompt, max_tokens)
+    finally:
+        health.finish(after_s=1.2)
+    return arrivals, health.samples
+
+
 def assert_health_follows_recovery(samples: list[tuple[float, int]], fault_s: float, arrivals: list[float],
                                    within_s: float = 1.0) -> None:
     """/health turned 503 within within_s of the fault at fault_s, stayed 503, and was 200 again

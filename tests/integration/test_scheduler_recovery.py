@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support import (HealthWatch, assert_health_follows_recovery, children_of, metric_value, recovery_workload,
-                     stream_burst, supervised, timed_stream, tiny_config)
+                     stream_burst, supervised, tiny_config, watched_stream)
 
 from deploy.launcher import Stack
 
@@ -60,13 +60,8 @@ def test_health_is_503_within_a_second_of_the_scheduler_being_killed_and_200_wit
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fired = tmp_path / "fired"
     with faulty_stack(tiny_model_dir, monkeypatch, f"step=6,action=kill,once={fired}") as stack, supervised(stack):
-        health = HealthWatch(stack.url, period_s=0.05)
-        health.start()
-        try:
-            arrivals = timed_stream(stack.url, PROMPTS[0], MAX_TOKENS)
-        finally:
-            health.finish(after_s=1.2)
-    assert_health_follows_recovery(health.samples, fired.stat().st_mtime, arrivals)
+        arrivals, samples = watched_stream(stack.url, PROMPTS[0], MAX_TOKENS)
+    assert_health_follows_recovery(samples, fired.stat().st_mtime, arrivals)
 
 
 def test_a_hung_scheduler_is_reported_replaced_and_its_streams_finish_with_undisturbed_text(

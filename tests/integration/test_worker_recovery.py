@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support import (HealthWatch, assert_health_follows_recovery, children_of, metric_value, recovery_workload,
-                     stream_burst, supervised, timed_stream, tiny_config)
+                     stream_burst, supervised, tiny_config, watched_stream)
 
 from deploy.launcher import Stack, StartupError
 
@@ -67,13 +67,8 @@ def test_health_is_503_within_a_second_of_a_worker_fault_and_200_within_a_second
     fired = tmp_path / "fired"
     with faulty_stack(tiny_model_dir, monkeypatch, f"rank=0,step=6,action={action},once={fired}") as stack, \
             supervised(stack):
-        health = HealthWatch(stack.url, period_s=0.05)
-        health.start()
-        try:
-            arrivals = timed_stream(stack.url, PROMPTS[0], MAX_TOKENS)
-        finally:
-            health.finish(after_s=1.2)
-    assert_health_follows_recovery(health.samples, fired.stat().st_mtime, arrivals)
+        arrivals, samples = watched_stream(stack.url, PROMPTS[0], MAX_TOKENS)
+    assert_health_follows_recovery(samples, fired.stat().st_mtime, arrivals)
 
 
 def test_a_hung_worker_turns_health_503_within_the_stall_timeout_and_200_once_replaced(
@@ -81,13 +76,8 @@ def test_a_hung_worker_turns_health_503_within_the_stall_timeout_and_200_once_re
     fired = tmp_path / "fired"
     with faulty_stack(tiny_model_dir, monkeypatch, f"rank=0,step=6,action=stall,once={fired}",
                       step_timeout_s=4.0, stall_timeout_s=2.0) as stack, supervised(stack):
-        health = HealthWatch(stack.url, period_s=0.05)
-        health.start()
-        try:
-            arrivals = timed_stream(stack.url, PROMPTS[0], MAX_TOKENS)
-        finally:
-            health.finish(after_s=1.2)
-    assert_health_follows_recovery(health.samples, fired.stat().st_mtime, arrivals, within_s=2.0 + 1.0)
+        arrivals, samples = watched_stream(stack.url, PROMPTS[0], MAX_TOKENS)
+    assert_health_follows_recovery(samples, fired.stat().st_mtime, arrivals, within_s=2.0 + 1.0)
 
 
 def test_requests_that_arrive_while_the_group_is_replaced_wait_in_the_queue_and_finish(
