@@ -134,6 +134,27 @@ def test_a_lost_group_is_replaced_and_its_requests_finish_on_the_new_one() -> No
         assert loop.num_protocol_errors == 0
 
 
+def test_requests_that_arrive_while_the_group_is_replaced_wait_up_to_max_num_waiting() -> None:
+    with running_loop(silent_ranks=(0,), step_timeout_s=REPLACED_STEP_TIMEOUT_S, ready_timeout_s=10.0,
+                      max_num_waiting=2) as (loop, frontend, control):
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
+        frontend.add("a", 4, max_tokens=3)
+        assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), RestartWorkers)
+        frontend.worker.close()
+        frontend.add("b", 5, max_tokens=3)  # "a" requeued and "b": the queue's two
+        frontend.add("c", 6, max_tokens=3)
+        frontend.wait_finished("c")
+        assert frontend.log.finish_reasons["c"] == "error" and "max_num_waiting is 2" in frontend.log.error_messages["c"]
+        assert not frontend.log.messages[-1].stats.workers_serving and frontend.log.messages[-1].stats.num_waiting == 2
+        replacement = WorkerThread(frontend.requests.context, loop.config.runtime_dir, rank=0,
+                                   expected=frontend.worker.fake, generation=1)
+        try:
+            frontend.wait_finished("a", "b")
+        finally:
+            replacement.close()
+        assert frontend.log.finish_reasons["a"] == frontend.log.finish_reasons["b"] == "length"
+
+
 def test_a_new_group_with_fewer_kv_blocks_ends_the_loop_naming_both_counts_and_fails_requeued_requests() -> None:
     with running_loop(silent_ranks=(0,), step_timeout_s=0.5, ready_timeout_s=10.0) as (loop, frontend, control):
         assert isinstance(codec.decode(sockets.recv_ready(control, 5.0), sockets.CONTROL_MESSAGES), ProcessReady)
