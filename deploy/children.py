@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from dataclasses import dataclass, field
 from typing import IO
+
+from proto.processes import PidFds
 
 
 class StartupError(RuntimeError):
@@ -44,27 +45,17 @@ def _signal_name(number: int) -> str:
 
 
 class ExitWatch:
-    """File descriptors that turn readable when a child exits (Linux pidfds), so that the
-    supervisor's wait on its sockets ends at a death instead of at its next poll. Only children
-    still running are watched, so a dead one cannot keep waking the wait. Where pidfds do not
-    exist (not Linux, or a kernel before 5.3) it watches nothing and deaths wait for the poll."""
+    """File descriptors that turn readable when a child exits (PidFds), so that the supervisor's
+    wait on its sockets ends at a death instead of at its next poll. Only children still running
+    are watched, so a dead one cannot keep waking the wait."""
 
     def __init__(self) -> None:
-        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._pidfds = PidFds()
 
     def fds(self, children: list[Child]) -> list[int]:
         running = {child.process.pid for child in children
                    if child.process is not None and child.process.poll() is None}
-        for pid in set(self._fds) - running:
-            os.close(self._fds.pop(pid))
-        for pid in running - set(self._fds):
-            try:
-                self._fds[pid] = os.pidfd_open(pid)
-            except (AttributeError, OSError):  # no pidfds here, or the process is gone already
-                pass
-        return list(self._fds.values())
+        return list(self._pidfds.fds(running).values())
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._pidfds.close()

@@ -238,10 +238,19 @@ class SchedulerLoop:
             self._send_outputs(self.engine.heartbeat(), wait=False)
 
     def _idle_wait(self) -> None:
-        """Block on the requests socket (no busy waiting); heartbeat about once a second."""
+        """Block on the requests socket and the local ranks' exits (no busy waiting); heartbeat
+        about once a second. A rank that died meanwhile lost the group as in a step: the supervisor
+        is replacing it, and serving waits for the new one."""
         if self._heartbeat_due():
             self._send_outputs(self.engine.heartbeat(), wait=False)
-        self._requests.poll(int(POLL_SLICE_S * 1000), zmq.POLLIN)
+        poller = zmq.Poller()
+        poller.register(self._requests, zmq.POLLIN)
+        for fd in self._workers.exit_fds():
+            poller.register(fd, zmq.POLLIN)
+        poller.poll(int(POLL_SLICE_S * 1000))
+        dead = self._workers.dead_ranks(list(range(self.config.tensor_parallel_size)))
+        if dead:
+            self._send_outputs(self._lost_step("between steps", dead))
 
     def _heartbeat_due(self) -> bool:
         return time.monotonic() - self._last_sent_s >= HEARTBEAT_INTERVAL_S

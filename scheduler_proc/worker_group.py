@@ -17,7 +17,7 @@ from proto import codec, sockets, transport
 from proto.config import EngineConfig
 from proto.errors import ProtocolError
 from proto.messages import StepResult, WorkerReady
-from proto.processes import process_alive
+from proto.processes import PidFds, process_alive
 from scheduler_proc.rank_progress import RankProgress
 
 Message = TypeVar("Message")
@@ -71,6 +71,7 @@ class WorkerGroup:
         self.config = config
         self.generation = -1  # the serving group's (WorkerReady.generation); stamped on plans
         self.pids: dict[int, int] = {}  # rank -> pid of the group serving now
+        self._exits = PidFds()  # of the local ranks: a poll ends at a death
         self._context = context
         self._reader = reader
         self._should_exit = should_exit
@@ -96,6 +97,7 @@ class WorkerGroup:
         self.open()
 
     def close(self) -> None:
+        self._exits.close()
         if self._guard is not None:
             self._guard.stop()  # first: its thread's socket lives in the context the loop destroys
             self._guard = None
@@ -169,6 +171,12 @@ class WorkerGroup:
         0..workers_per_node-1); the others' pids are of processes on other machines."""
         return {rank: pid for rank, pid in self.pids.items() if rank < self.config.workers_per_node}
 
+    def exit_fds(self) -> dict[int, int]:
+        """pidfd -> rank for the local ranks: register them in a poller to wake at a death."""
+        local = self.local_pids()
+        fds = self._exits.fds(local.values())
+        return {fds[pid]: rank for rank, pid in local.items() if pid in fds}
+
     def dead_ranks(self, ranks: list[int]) -> list[int]:
         """Those of `ranks` whose process on this node is gone (remote ranks count as alive: only
         their silence tells)."""
@@ -186,6 +194,9 @@ class WorkerGroup:
         answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
+        exits = self.exit_fds()
+        for fd in exits:
+            poller.register(fd, zmq.POLLIN)
         dead: list[int] = []
         stalled = False
         while len(answers) < num_ranks and not self._should_exit():
@@ -199,9 +210,11 @@ class WorkerGroup:
                 self._log_stall(step_id, [rank for rank in range(num_ranks) if rank not in answers],
                                 now - started_s, idle_s)
             while_waiting(now - started_s, idle_s)
-            if not poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)):
+            events = dict(poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)))
+            if self._results not in events:  # a slice passed, or a local rank exited
                 # Any rank gone, even one that answered (with its collective's error), lost the group.
-                dead = self.dead_ranks(list(range(num_ranks)))
+                exited = {exits[fd] for fd in events if fd in exits}
+                dead = sorted(exited.union(self.dead_ranks(list(range(num_ranks)))))
                 if dead:
                     break
                 continue

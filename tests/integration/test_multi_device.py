@@ -86,6 +86,8 @@ def test_killing_one_rank_replaces_the_group_naming_it_and_health_is_503_until_i
                 lines = stream.iter_lines()  # kept: a dropped iterator would close the stream
                 first = next(lines)  # a request is in flight when the rank dies
                 probe = HealthProbe(stack.url)
+                while not probe.codes:  # its first answer comes before the kill (seen within ms)
+                    time.sleep(0.005)
                 worker(stack, 1).process.kill()
                 events = sse_events([first, *lines])
             time.sleep(1.5)  # the probe sees serving again

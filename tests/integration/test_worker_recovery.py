@@ -5,6 +5,7 @@ launcher with CONVEYOR_FAULT_INJECTION, read only by the worker loop)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,6 +79,29 @@ def test_a_hung_worker_turns_health_503_within_the_stall_timeout_and_200_once_re
                       step_timeout_s=4.0, stall_timeout_s=2.0) as stack, supervised(stack):
         arrivals, samples = watched_stream(stack.url, PROMPTS[0], MAX_TOKENS)
     assert_health_follows_recovery(samples, fired.stat().st_mtime, arrivals, within_s=2.0 + 1.0)
+
+
+def test_a_worker_killed_while_the_server_is_idle_is_replaced_and_the_next_requests_are_served(
+        tiny_model_dir: Path, undisturbed: list[tuple[str, str]]) -> None:
+    with Stack(tiny_config(tiny_model_dir)) as stack, supervised(stack):
+        health = HealthWatch(stack.url, period_s=0.05)
+        health.start()
+        try:
+            time.sleep(0.5)
+            worker = next(c.process.pid for c in stack.children if c.module == "worker_proc")
+            killed_s = time.time()
+            os.kill(worker, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while not [t for t, code in health.samples if t > killed_s and code == 503] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while health.samples[-1][1] != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            health.finish()
+        unhealthy = next(t for t, code in health.samples if t > killed_s and code == 503)
+        assert unhealthy - killed_s < 1.0  # no step was in flight: the scheduler watches its ranks anyway
+        assert run_burst(stack.url) == undisturbed
+        assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 1
 
 
 def test_requests_that_arrive_while_the_group_is_replaced_wait_in_the_queue_and_finish(
