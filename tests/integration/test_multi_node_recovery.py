@@ -1,13 +1,18 @@
 """Two "nodes" on one machine (a node-0 Stack and a worker-only Stack, TP=2, rank 1 on node 1):
 rank 1 SIGKILLed mid-generation on node 1 makes both supervisors replace their ranks in a new
-worker group that node 0 names, and 8 concurrent streams finish with an undisturbed run's text."""
+worker group that node 0 names, and 8 concurrent streams finish with an undisturbed run's text;
+killed while nothing runs, the group is replaced before the next requests."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 from support import caplog_of, free_port_block, metric_value, supervised, tiny_config
 from integration.test_worker_recovery import run_burst
@@ -85,3 +90,21 @@ def test_a_scheduler_killed_mid_generation_is_replaced_with_a_group_both_nodes_j
     log = "\n".join(records)
     assert "replacing the scheduler and the worker group with group 1" in log, log
     assert "node 0 started worker group 1 (the scheduler was replaced" in log, log
+
+
+def test_a_remote_rank_killed_while_nothing_runs_is_replaced_on_both_nodes_before_the_next_requests(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    with two_nodes(tiny_model_dir, tmp_path / "calm") as (node0, _node1):
+        undisturbed = run_burst(node0.url)
+    with two_nodes(tiny_model_dir, tmp_path / "fault") as (node0, node1):
+        old = _worker_pids(node0, node1)
+        os.kill(next(iter(_worker_pids(node1))), signal.SIGKILL)
+        codes, deadline = [], time.monotonic() + 60
+        while codes[-1:] != [200] or 503 not in codes:
+            assert time.monotonic() < deadline, f"/health said {codes}"
+            codes.append(httpx.get(f"{node0.url}/health", timeout=5).status_code)
+            time.sleep(0.05)
+        assert node0.config.worker_generation == node1.config.worker_generation == 1
+        assert not _worker_pids(node0, node1) & old
+        assert run_burst(node0.url) == undisturbed
+        assert metric_value(node0.url, "conveyor:process_restarts_total", process="worker") == 1
