@@ -1,9 +1,17 @@
-"""Which frontend process the scheduler serves, and whether that process still lives."""
+"""Which frontend process the scheduler serves, whether that process still lives, and the abort
+of a lost frontend's requests."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_proc.engine import SchedulerEngine
+
+logger = logging.getLogger(__name__)
 
 FRONTEND_CHECK_INTERVAL_S = 0.25  # how often the frontend's process is looked at (one /proc read)
 
@@ -45,3 +53,29 @@ class FrontendWatch:
             return None
         pid, self.pid = self.pid, None
         return pid
+
+    def greet_and_abort_earlier(self, pid: int, engine: SchedulerEngine) -> None:
+        """A frontend (re)started. Its hello comes before its requests on its one connection, so
+        whatever is unfinished now came from an earlier frontend: a second line behind
+        abort_if_exited, which aborts a dead frontend's requests without waiting for the next one."""
+        logger.info("frontend pid %d connected", pid)
+        gone = self.greet(pid)
+        abort_lost_requests(engine, f"the frontend (pid {gone}) exited" if gone is not None
+                            else f"a new frontend (pid {pid}) connected")
+
+    def abort_if_exited(self, engine: SchedulerEngine) -> None:
+        """A frontend that died (SIGKILL, crash) took its clients' connections with it: abort its
+        requests now (looked at every interval_s), not when the supervisor's new one starts."""
+        pid = self.take_exited()
+        if pid is not None:
+            abort_lost_requests(engine, f"the frontend (pid {pid}) exited")
+
+
+def abort_lost_requests(engine: SchedulerEngine, why: str) -> None:
+    """Abort every unfinished request, freeing seats and KV blocks now. Their terminal outputs are
+    dropped: no living frontend knows their ids."""
+    num_aborted = engine.abort_all()
+    if num_aborted:
+        logger.warning("%s: aborted %d unfinished requests (their clients are gone)", why, num_aborted)
+    if engine.drain_outputs() is not None:
+        logger.debug("dropped the terminal outputs of requests with no frontend")

@@ -174,7 +174,7 @@ class SchedulerLoop:
         engine = self.engine
         while not self._should_exit():
             self._drain_requests()
-            self._watch_frontend()
+            self._frontend.abort_if_exited(self.engine)
             pending = engine.drain_outputs()
             if pending is not None:
                 self._send_outputs(pending)
@@ -200,37 +200,12 @@ class SchedulerLoop:
                 case AbortRequest() as abort:
                     self.engine.abort(abort.request_ids, abort.choice_indices.tolist())
                 case FrontendHello() as hello:
-                    self._greet_frontend(hello.pid)
+                    self._frontend.greet_and_abort_earlier(hello.pid, self.engine)
                     self._frontend_epoch = self.engine.frontend_epoch = hello.epoch
-
-    def _greet_frontend(self, pid: int) -> None:
-        """A frontend (re)started. Its hello comes before its requests on its one connection, so
-        whatever is unfinished now came from an earlier frontend: a second line behind
-        _watch_frontend, which aborts a dead frontend's requests without waiting for the next one."""
-        logger.info("frontend pid %d connected", pid)
-        gone = self._frontend.greet(pid)
-        self._abort_frontend_requests(f"the frontend (pid {gone}) exited" if gone is not None
-                                      else f"a new frontend (pid {pid}) connected")
-
-    def _watch_frontend(self) -> None:
-        """A frontend that died (SIGKILL, crash) took its clients' connections with it: abort its
-        requests now (FrontendWatch looks every 0.25 s), not when the supervisor's new one starts."""
-        pid = self._frontend.take_exited()
-        if pid is not None:
-            self._abort_frontend_requests(f"the frontend (pid {pid}) exited")
-
-    def _abort_frontend_requests(self, why: str) -> None:
-        """Abort every unfinished request, freeing seats and KV blocks now. Their terminal outputs
-        are dropped: no living frontend knows their ids."""
-        num_aborted = self.engine.abort_all()
-        if num_aborted:
-            logger.warning("%s: aborted %d unfinished requests (their clients are gone)", why, num_aborted)
-        if self.engine.drain_outputs() is not None:
-            logger.debug("dropped the terminal outputs of requests with no frontend")
 
     def _serve_frontend_only(self) -> None:
         self._drain_requests()
-        self._watch_frontend()
+        self._frontend.abort_if_exited(self.engine)
         pending = self.engine.drain_outputs()
         if pending is not None:
             self._send_outputs(pending, wait=False)
