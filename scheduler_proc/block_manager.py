@@ -81,6 +81,12 @@ class BlockManager:
         num_shared = min(max_blocks, num_computed_prompt // self.block_size)
         return leader.block_ids[:num_shared].tolist()
 
+    def can_allocate(self, request: Request, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether allocate(request, num_tokens, prefix) would succeed now (nothing changes)."""
+        num_new = max(self.blocks_for_tokens(num_tokens) - len(request.block_ids) - len(prefix), 0)
+        num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in prefix)
+        return num_new + num_revived <= self.pool.num_free
+
     def allocate(self, request: Request, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         """Grow the table to hold `num_tokens` tokens in total, first taking the shared `prefix`
         blocks (from computed_prefix, only for an empty table); all or nothing."""

@@ -106,6 +106,11 @@ class ContinuousPolicy:
         if head is not queues.waiting[0] or len(queues.running) >= self.config.max_num_seqs:
             return None
         prefix = block_manager.computed_prefix(head)
+        # Blocks for its whole recompute, not just a chunk: the others do not run (nor free blocks)
+        # while it runs alone, and a later chunk short of blocks would preempt it (the newest) to
+        # start over, for ever. Until they are free the others run and drain.
+        if not block_manager.can_allocate(head, head.num_tokens, prefix):
+            return None
         num_tokens = min(head.num_tokens - len(prefix) * block_manager.block_size, budget)
         if not start_member(head, prefix, num_tokens, batch, block_manager):
             return None

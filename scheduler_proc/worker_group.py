@@ -5,7 +5,6 @@ dropped) and send_frame (send within a deadline)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -186,7 +185,8 @@ class WorkerGroup:
     def await_result(self, step_id: int, started_s: float, deadline: float,
                      while_waiting: Callable[[float, float], None]) -> tuple[StepResult | None, list[int]]:
         """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
-        Another rank's error comes as rank 0's result with that rank's number. while_waiting(seconds the step
+        The first answer with an error comes at once, whichever rank sent it (the group is replaced
+        after it; the others may be stuck in a collective with it). while_waiting(seconds the step
         has run, seconds its local ranks have been idle: RankProgress) is called every poll slice;
         a step idle past --stall-timeout is logged."""
         num_ranks, stall_s = self.config.tensor_parallel_size, self.config.stall_timeout_s
@@ -223,6 +223,8 @@ class WorkerGroup:
             if result is None:
                 continue
             if result.step_id == step_id and result.rank < num_ranks:
+                if result.error:  # the group is replaced: the other ranks may wait in a collective
+                    return result, []
                 answers[result.rank] = result
             else:
                 self._reader.count_bad(f"discarded a result for step {result.step_id} from rank {result.rank} "
@@ -232,9 +234,6 @@ class WorkerGroup:
         if stalled:
             logger.warning("step %d took %.1f s; /health no longer reports a stall", step_id,
                            time.monotonic() - started_s)
-        failed = next((answers[rank] for rank in sorted(answers) if answers[rank].error), None)
-        if failed is not None and failed.rank != 0:
-            return dataclasses.replace(answers[0], error=failed.error, rank=failed.rank), []
         return answers[0], []
 
     def _log_stall(self, step_id: int, silent: list[int], running_s: float, idle_s: float) -> None:

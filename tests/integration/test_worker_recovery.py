@@ -62,6 +62,18 @@ def test_two_faults_in_a_row_and_a_tensor_parallel_rank_are_recovered_too(
         assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 2
 
 
+def test_a_tensor_parallel_rank_that_raises_is_replaced_without_waiting_for_the_others_collective(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        undisturbed: list[tuple[str, str]]) -> None:
+    faults = f"rank=1,step=6,action=raise,once={tmp_path / 'fired'}"
+    with faulty_stack(tiny_model_dir, monkeypatch, faults, tensor_parallel_size=2) as stack, supervised(stack):
+        started_s = time.monotonic()
+        assert run_burst(stack.url) == undisturbed
+        # Rank 0 waits in a collective for rank 1 until half --step-timeout (60 s): not for that.
+        assert time.monotonic() - started_s < 30.0
+        assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 1
+
+
 @pytest.mark.parametrize("action", ["kill", "raise"])
 def test_health_is_503_within_a_second_of_a_worker_fault_and_200_within_a_second_of_serving_again(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str) -> None:

@@ -111,3 +111,29 @@ def test_waiting_requests_are_not_admitted_past_one_that_owes_a_solo_step() -> N
     assert plan is not None and sorted(plan.request_ids) == ["a", "late"]
     harness.run()
     assert harness.log.finish_reasons == {"a": "length", "late": "length"}
+
+
+@pytest.mark.parametrize("caching", [dict(enable_prefix_caching=False), dict(prompt_logprobs=1)])
+def test_a_solo_recompute_that_needs_the_blocks_others_hold_waits_for_them_and_never_preempts_itself(
+        caching: dict) -> None:
+    """b's recompute needs 15 of 16 blocks while a holds some: admitted in chunks, b would preempt
+    itself (the newest) at its next chunk and start over for ever. It waits until a is done."""
+    config, params = dict(max_num_seqs=4, max_num_batched_tokens=16), {}
+    if "enable_prefix_caching" in caching:
+        config.update(caching)
+    else:
+        params.update(caching)
+    undisturbed = Harness(num_blocks=16, **config)
+    undisturbed.add("a", 8, max_tokens=4)
+    undisturbed.add("b", 60, max_tokens=2, **params)
+    undisturbed.run()
+
+    harness = Harness(num_blocks=16, **config)
+    harness.add("a", 8, max_tokens=4)
+    harness.add("b", 60, max_tokens=2, **params)
+    while not {"a", "b"} <= {r.label for r in harness.engine.queues.running}:
+        harness.step()
+    assert sorted(fail_step(harness)) == ["a", "b"]
+    harness.run(max_steps=200)
+    assert harness.log.finish_reasons == undisturbed.log.finish_reasons == {"a": "length", "b": "length"}
+    assert harness.log.tokens == undisturbed.log.tokens
