@@ -185,8 +185,9 @@ class WorkerGroup:
     def await_result(self, step_id: int, started_s: float, deadline: float,
                      while_waiting: Callable[[float, float], None]) -> tuple[StepResult | None, list[int]]:
         """Rank 0's result once every rank has answered step_id, else (None, the silent ranks).
-        The first answer with an error comes at once, whichever rank sent it (the group is replaced
-        after it; the others may be stuck in a collective with it). while_waiting(seconds the step
+        If ranks answered with errors, the first error to arrive instead: a rank that raises makes the
+        others fail later, at their collective's timeout (half --step-timeout), and a rank that
+        hangs makes them fail while it never answers (a lost step names it). while_waiting(seconds the step
         has run, seconds its local ranks have been idle: RankProgress) is called every poll slice;
         a step idle past --stall-timeout is logged."""
         num_ranks, stall_s = self.config.tensor_parallel_size, self.config.stall_timeout_s
@@ -199,6 +200,7 @@ class WorkerGroup:
             poller.register(fd, zmq.POLLIN)
         dead: list[int] = []
         stalled = False
+        first_error: StepResult | None = None  # by arrival: the others' may be collective timeouts it caused
         while len(answers) < num_ranks and not self._should_exit():
             now = time.monotonic()
             remaining_s = deadline - now
@@ -223,9 +225,8 @@ class WorkerGroup:
             if result is None:
                 continue
             if result.step_id == step_id and result.rank < num_ranks:
-                if result.error:  # the group is replaced: the other ranks may wait in a collective
-                    return result, []
                 answers[result.rank] = result
+                first_error = first_error or (result if result.error else None)
             else:
                 self._reader.count_bad(f"discarded a result for step {result.step_id} from rank {result.rank} "
                                        f"while waiting for {step_id}")
@@ -234,7 +235,7 @@ class WorkerGroup:
         if stalled:
             logger.warning("step %d took %.1f s; /health no longer reports a stall", step_id,
                            time.monotonic() - started_s)
-        return answers[0], []
+        return first_error or answers[0], []
 
     def _log_stall(self, step_id: int, silent: list[int], running_s: float, idle_s: float) -> None:
         """Once per step idle past --stall-timeout: /health now says 'stalled' (the heartbeats
