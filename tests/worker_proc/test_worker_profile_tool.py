@@ -39,3 +39,17 @@ def test_a_profile_of_the_tiny_model_splits_each_step_and_sets_compute_against_i
         parts = sum(v for k, v in ms.items() if k != "total")
         assert abs(parts - ms["total"]) <= 0.1 * ms["total"]  # medians per category, so not exact
         assert set(report["steps"][name]["floor_ms"]) == {"linears", "lm_head", "attention"}
+
+
+def test_a_bfloat16_profile_measures_both_peaks_with_the_kernel_of_each_dtype(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Where the worker's LM head has the bf16 kernel, the fp32 peak must not be asked of it."""
+    out = tmp_path / "profile.json"
+    profile_step.main(["--model", str(tiny_model_dir), "--dtype", "bfloat16", "--decode-batches", "2",
+                       "--context", "20", "--prefill", "32", "--steps", "1", "--num-threads", "1",
+                       "--no-scheduler", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16"
+    for dtype in ("float32", "bfloat16"):
+        assert all(gflops > 0 for gflops in report["peak"][f"{dtype}_gflops"].values())
+    assert report["steps"]["decode_2x20"]["ms"]["lm_head"] > 0

@@ -68,14 +68,14 @@ def best_seconds(fn: object, repeats: int) -> float:
 def matmul_gflops(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, rows: int,
                   skinny: SkinnyLinear | None) -> dict[str, float]:
     """GFLOP/s of rows x in @ in x out per shape, the way the worker runs that dtype at `rows` rows
-    (through `skinny`, the worker's kernel, when given: for the LM head, and for every shape where
-    it serves all rows; pass None for oneDNN's figures)."""
+    (through `skinny`, the worker's kernel, when given and of this dtype: for the LM head, and for
+    every shape where it serves all rows; pass None for oneDNN's figures)."""
     packed = cpu_prepack_supported(dtype)
     result = {}
     for name, (in_features, out_features) in shapes.items():
         x = torch.randn(rows, in_features).to(dtype)
         weight = torch.randn(out_features, in_features).to(dtype)
-        if skinny is not None and dtype == torch.float32 and (name == "lm_head" or skinny.all_rows):
+        if skinny is not None and skinny.dtype == dtype and (name == "lm_head" or skinny.all_rows):
             run = lambda w=skinny.pack(weight): w(x, None)  # noqa: E731
         elif packed:
             run = lambda w=prepack(weight): packed_linear(x, w, None)  # noqa: E731
