@@ -58,7 +58,7 @@ class Stack(Replacements):
         self.num_protocol_errors = 0  # malformed control frames
         self.failure = ""  # why the stack is stopping, when a process died or reported failure
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
-        self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed it ("after it ...")
+        self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed it ("after ...")
         self._ready_deadlines: dict[str, float] = {}  # restarted child -> when it must be ready
         self.num_frontend_restarts = 0  # handed to each new frontend for its process_restarts_total
         self._group: GroupChannel | None = None  # the supervisors' channel when nnodes > 1

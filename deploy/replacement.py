@@ -43,22 +43,23 @@ class Replacements:
     def _exit_cause(self, dead: Child) -> str:
         """How `dead` exited, and why the supervisor killed it if it did (`_kill_reasons`)."""
         killed_for = self._kill_reasons.pop(dead.process.pid, "")
-        return f"{dead.describe_exit()} after it {killed_for}" if killed_for else dead.describe_exit()
+        return f"{dead.describe_exit()} {killed_for}" if killed_for else dead.describe_exit()
 
     def _workers(self) -> list[Child]:
         return [child for child in self.children if child.module == "worker_proc"]
 
     def _kill_ranks(self, ranks: list[int], reason: str) -> None:
-        """Kill the named hung ranks of this node; a named rank on another node takes this node's
-        whole group with it (its replacement on every node follows from the deaths)."""
+        """Kill the named ranks of this node (they hung or raised in a step: `reason` says which); a
+        named rank on another node takes this node's whole group with it (its replacement on every
+        node follows from the deaths)."""
         remote = [rank for rank in ranks if rank not in self.config.local_ranks]
         if remote:
             reason = f"{reason}; rank {remote[0]} runs on another node, so this node's group goes too"
         for child in self._workers():
             if (child.rank in ranks or remote) and child.process is not None and child.process.poll() is None:
-                log.error("%s (pid %d, tensor-parallel rank %d) hangs: %s; killing it", child.name,
-                          child.process.pid, child.rank, reason)
-                self._kill_reasons[child.process.pid] = f"hung ({reason})"
+                log.error("%s (pid %d, tensor-parallel rank %d) is given up by the scheduler: %s; killing it",
+                          child.name, child.process.pid, child.rank, reason)
+                self._kill_reasons[child.process.pid] = f"after the scheduler gave it up ({reason})"
                 child.process.kill()
 
     def _kill_hung_scheduler(self, pid: int, reason: str) -> None:
@@ -68,7 +69,7 @@ class Replacements:
             if child.module == "scheduler_proc" and child.process is not None and child.process.pid == pid \
                     and child.process.poll() is None:
                 log.error("scheduler (pid %d) hangs: %s; killing it", pid, reason)
-                self._kill_reasons[pid] = f"hung ({reason})"
+                self._kill_reasons[pid] = f"after it hung ({reason})"
                 child.process.kill()
 
     def _replace_scheduler(self, dead: Child) -> str:
@@ -160,7 +161,7 @@ class Replacements:
             if child.process is not None and child.process.poll() is None:
                 reason = f"not ready {self.config.ready_timeout_s:.0f} s after its restart (--ready-timeout)"
                 log.error("%s (pid %d) is %s; killing it", child.name, child.process.pid, reason)
-                self._kill_reasons[child.process.pid] = f"was {reason}"
+                self._kill_reasons[child.process.pid] = f"after it was {reason}"
                 child.process.kill()
 
 

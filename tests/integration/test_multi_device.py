@@ -120,8 +120,8 @@ def test_a_rank_that_does_not_answer_a_step_is_killed_and_replaced_naming_it(
     probe.join(timeout=60)
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
     log = "\n".join(records)
-    assert "worker1" in log and "hangs: worker rank 1 did not answer step" in log, log
-    assert "--step-timeout" in log and "after it hung" in log
+    assert "worker1" in log and "is given up by the scheduler: worker rank 1 did not answer step" in log, log
+    assert "--step-timeout" in log and "after the scheduler gave it up" in log
     assert probe.codes[:3] == [200, 503, 200], probe.codes
     assert not process_alive(stuck.pid)
 
