@@ -32,8 +32,10 @@ ALWAYS_INLINE void store8(char *p, __m256 x, const int BF16) {
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
-ALWAYS_INLINE __m256 exp256(__m256 x) {  /* e^x for x <= 0: Cephes polynomial, exponent by shift */
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+/* e^x within 2 ulp (Cephes: Cody-Waite range reduction, degree-5 polynomial, exponent by shift);
+ * under -87.3 it is 2^-126, over 88.4 it saturates to +inf. */
+ALWAYS_INLINE __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f)), _mm256_set1_ps(88.3762626647949f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

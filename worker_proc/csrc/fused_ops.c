@@ -26,25 +26,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* exp(x) for 8 lanes within 2 ulp (Cody-Waite range reduction, degree-5 minimax polynomial);
- * under -87.3 it is 2^-126, over 88 it saturates to +inf. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447505531f);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 /* 8 elements from element i of p, as fp32; stored back rounded to p's dtype */
 ALWAYS_INLINE __m256 load_at(const void *p, int64_t i, const int BF16) {
     return load8((const char *)p + i * (BF16 ? 2 : 4), BF16);
@@ -121,7 +102,7 @@ ALWAYS_INLINE void silu_mul(const void *gate_up, void *out, int64_t rows, int64_
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= inter; i += 8) {
             __m256 v = load_at(g, i, BF16);
-            __m256 silu = _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v))));
+            __m256 silu = _mm256_div_ps(v, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, v))));
             store_at(o, i, _mm256_mul_ps(rounded8(silu, BF16), load_at(u, i, BF16)), BF16);
         }
 #endif
