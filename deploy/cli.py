@@ -96,7 +96,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout", type=float, default=defaults.stall_timeout_s,
                         help="seconds a step's worker processes may use no CPU before GET /health "
                              "answers 503 'stalled' (until they compute again, the step ends, or its "
-                             "group is replaced at --step-timeout)")
+                             "group is replaced at --step-timeout); their CPU is read once a second")
     parser.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                         help="restarts allowed within --restart-window, all processes counted "
                              "together: a worker group replaced, the frontend restarted, or the "

@@ -29,9 +29,12 @@ def process_cpu_s(pid: int) -> float | None:
 
 class RankProgress:
     """One step's progress on this node: `idle_s(now)` is the time since the step started or its
-    local ranks (`pids`: rank -> pid) last all used CPU within a sample interval. With no local
-    rank whose CPU time can be read (no procfs), a step never shows progress: its idle time is
-    its running time."""
+    local ranks (`pids`: rank -> pid) last all used CPU within a sample interval, once a sample
+    has found them idle; until then (the step's first interval, or after a sample that found them
+    computing) it is 0, so that a --stall-timeout shorter than the interval does not report a
+    computing step as stalled between its samples. With no local rank whose CPU time can be read
+    (no procfs), a step never shows progress: from its first sample on, its idle time is its
+    running time."""
 
     def __init__(self, pids: dict[int, int], started_s: float) -> None:
         self._pids = dict(pids)
@@ -47,6 +50,8 @@ class RankProgress:
                     cpu_s[rank] - self._cpu_s[rank] >= MIN_CPU_SHARE * elapsed_s for rank in cpu_s):
                 self._last_progress_s = now
             self._cpu_s, self._sampled_s = cpu_s, now
+        if self._last_progress_s == self._sampled_s:  # no sample yet, or the last one saw progress
+            return 0.0
         return now - self._last_progress_s
 
     def _read(self) -> dict[int, float]:
