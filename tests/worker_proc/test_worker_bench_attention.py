@@ -31,3 +31,20 @@ def test_tables_of_another_block_size_are_refused(tmp_path: Path, capsys: pytest
     _save(tmp_path / "t.npz", 32)
     assert bench_attention.main(["--decode-tables", str(tmp_path / "t.npz"), "--dtypes", "float32"]) == 2
     assert "pass --block-size 32" in capsys.readouterr().err
+
+
+def test_block_sizes_are_timed_side_by_side_each_on_its_own_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_attention.main(["--block-sizes", "16,32", "--dtypes", "float32", "--prefill-tokens", "40",
+                                 "--decode-seqs", "3", "--decode-context", "50", "--repeats", "2",
+                                 "--cache-copies", "2", "--num-threads", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["case"] for row in rows] == ["prefill", "decode"]
+    for row in rows:
+        assert set(row["ms"]) == {"block 16", "block 32"} and min(row["ms"].values()) > 0
+
+
+def test_a_block_size_that_is_not_a_positive_integer_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_attention.main(["--block-sizes", "16,x"]) == 2
+    assert "--block-sizes takes integers" in capsys.readouterr().err
+    assert bench_attention.main(["--block-sizes", "0"]) == 2
+    assert "--block-sizes must be >= 1" in capsys.readouterr().err

@@ -19,6 +19,12 @@ timed on the first build instead: their tables as the scheduler handed them out,
 with every block moved to a random place, and with each member's blocks consecutive, the three
 alternating, over several copies of the caches in turn (every layer has its own: a served
 decode finds none of its K and V in the caches).
+
+    python -m worker_proc.tools.bench_attention --block-sizes 16,32,64 --dtypes bfloat16
+
+With --block-sizes, the first build runs each case once per KV block size (its own tables and
+caches), the block sizes alternating, each call on the next of --cache-copies copies of that
+size's caches: a longer block is a longer run of memory per KV head.
 """
 
 from __future__ import annotations
@@ -103,21 +109,41 @@ def served_cases(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> li
     return steps
 
 
-def time_layouts(kernel: PagedAttentionKernel, cases: dict[str, Case], args: argparse.Namespace) -> dict[str, float]:
-    """Each layout's fastest call in ms, the layouts alternating, each call on the next of
-    args.cache_copies copies of the caches (so no call finds the last one's K and V cached)."""
-    k_cache, v_cache = next(iter(cases.values()))[2:4]
-    copies = [(k_cache.clone(), v_cache.clone()) for _ in range(args.cache_copies)]
+def time_alternating(kernel: PagedAttentionKernel, cases: dict[str, tuple[Case, int]],
+                     args: argparse.Namespace) -> dict[str, float]:
+    """Each case's fastest call in ms, the cases (each with its block size) alternating, each call
+    on the next of args.cache_copies copies of that case's caches (so no call finds the last one's
+    K and V cached). Cases that share their caches share the copies."""
+    copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for case, _ in cases.values():
+        if id(case[2]) not in copies:
+            copies[id(case[2])] = [(case[2].clone(), case[3].clone()) for _ in range(args.cache_copies)]
     best = dict.fromkeys(cases, float("inf"))
     calls = 0
     for _ in range(args.repeats):
-        for layout, (q, out, _, _, tables, members, contexts) in cases.items():
-            k_copy, v_copy = copies[calls % len(copies)]
+        for name, ((q, out, k_cache, _, tables, members, contexts), block_size) in cases.items():
+            own = copies[id(k_cache)]
+            k_copy, v_copy = own[calls % len(own)]
             calls += 1
             start = time.perf_counter()
-            kernel(q, out, k_copy, v_copy, tables, members, contexts, args.block_size, args.num_threads)
-            best[layout] = min(best[layout], time.perf_counter() - start)
-    return {layout: round(seconds * 1e3, 3) for layout, seconds in best.items()}
+            kernel(q, out, k_copy, v_copy, tables, members, contexts, block_size, args.num_threads)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: round(seconds * 1e3, 3) for name, seconds in best.items()}
+
+
+def time_layouts(kernel: PagedAttentionKernel, cases: dict[str, Case], args: argparse.Namespace) -> dict[str, float]:
+    """Each layout's fastest call in ms (time_alternating, every layout of args.block_size)."""
+    return time_alternating(kernel, {layout: (case, args.block_size) for layout, case in cases.items()}, args)
+
+
+def time_block_sizes(kernel: PagedAttentionKernel, kind: str, dtype: torch.dtype,
+                     args: argparse.Namespace) -> dict[str, float]:
+    """The case of this kind once per block size of args.block_sizes, alternating (time_alternating)."""
+    cases = {}
+    for block_size in args.block_sizes:
+        case = make_case(kind, argparse.Namespace(**{**vars(args), "block_size": block_size}), dtype)
+        cases[f"block {block_size}"] = (case, block_size)
+    return time_alternating(kernel, cases, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--decode-tables", type=Path,
                         help="an .npz from scheduler_proc.tools.block_runs: time its steps' decodes instead")
-    parser.add_argument("--cache-copies", type=int, default=4, help="with --decode-tables: caches in turn")
+    parser.add_argument("--cache-copies", type=int, default=4,
+                        help="with --decode-tables or --block-sizes: caches in turn")
+    parser.add_argument("--block-sizes", default="",
+                        help="comma-separated KV block sizes: time the first build at each, alternating")
     args = parser.parse_args(argv)
+    try:
+        args.block_sizes = [int(part) for part in args.block_sizes.split(",") if part]
+    except ValueError:
+        print(f"bench_attention: --block-sizes takes integers, got {args.block_sizes!r}", file=sys.stderr)
+        return 2
+    if any(size < 1 for size in args.block_sizes):
+        print(f"bench_attention: --block-sizes must be >= 1, got {args.block_sizes}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     torch.set_num_threads(args.num_threads)
     sources = [Path(part) for part in args.sources.split(",") if part]
@@ -159,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ("prefill", "decode"):
             if (args.prefill_tokens if kind == "prefill" else args.decode_seqs * args.decode_context) < 1:
                 continue  # --prefill-tokens 0 or --decode-seqs 0: that case is not run
+            if args.block_sizes:
+                print(json.dumps({"dtype": dtype_name, "case": kind,
+                                  "ms": time_block_sizes(kernels[0], kind, DTYPES[dtype_name], args)}), flush=True)
+                continue
             best, diffs = time_builds(kernels, make_case(kind, args, DTYPES[dtype_name]), args)
             rows.append({"dtype": dtype_name, "case": kind,
                          "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
