@@ -31,7 +31,8 @@ class ProcessFailed:
 @dataclass(frozen=True)
 class RestartWorkers:
     """Scheduler -> supervisor: these ranks are alive but lost a step (hung, or raised: `reason`
-    says which); kill and replace the worker group. A rank that died needs no message: the supervisor sees its exit itself."""
+    says which); kill and replace the worker group. A rank that died needs no message: the
+    supervisor sees its exit itself."""
 
     ranks: Int32Array  # [num_ranks]
     reason: str

@@ -220,12 +220,8 @@ class SchedulerLoop:
             self._send_outputs(self.engine.heartbeat(), wait=False)
         poller = zmq.Poller()
         poller.register(self._requests, zmq.POLLIN)
-        exits = self._workers.exit_fds()
-        for fd in exits:
-            poller.register(fd, zmq.POLLIN)
-        events = dict(poller.poll(int(POLL_SLICE_S * 1000)))
-        exited = {exits[fd] for fd in events if fd in exits}  # a pidfd fired: dead, whatever its pid is now
-        dead = sorted(exited.union(self._workers.dead_ranks(list(range(self.config.tensor_parallel_size)))))
+        exits = self._workers.watch_exits(poller)
+        dead = self._workers.lost_ranks(dict(poller.poll(int(POLL_SLICE_S * 1000))), exits)
         if dead:
             self._send_outputs(self._lost_step("between steps", dead))
 

@@ -170,11 +170,21 @@ class WorkerGroup:
         0..workers_per_node-1); the others' pids are of processes on other machines."""
         return {rank: pid for rank, pid in self.pids.items() if rank < self.config.workers_per_node}
 
-    def exit_fds(self) -> dict[int, int]:
-        """pidfd -> rank for the local ranks: register them in a poller to wake at a death."""
+    def watch_exits(self, poller: zmq.Poller) -> dict[int, int]:
+        """Register the local ranks' pidfds in `poller`, so that its poll wakes at a death; returns
+        pidfd -> rank, for lost_ranks."""
         local = self.local_pids()
         fds = self._exits.fds(local.values())
-        return {fds[pid]: rank for rank, pid in local.items() if pid in fds}
+        exits = {fds[pid]: rank for rank, pid in local.items() if pid in fds}
+        for fd in exits:
+            poller.register(fd, zmq.POLLIN)
+        return exits
+
+    def lost_ranks(self, events: dict, exits: dict[int, int]) -> list[int]:
+        """After a poll with watch_exits: the ranks whose pidfd fired (dead, whatever their pid is
+        now) or whose process on this node is gone."""
+        exited = {exits[fd] for fd in events if fd in exits}
+        return sorted(exited.union(self.dead_ranks(list(range(self.config.tensor_parallel_size)))))
 
     def dead_ranks(self, ranks: list[int]) -> list[int]:
         """Those of `ranks` whose process on this node is gone (remote ranks count as alive: only
@@ -195,9 +205,7 @@ class WorkerGroup:
         answers: dict[int, StepResult] = {}
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
-        exits = self.exit_fds()
-        for fd in exits:
-            poller.register(fd, zmq.POLLIN)
+        exits = self.watch_exits(poller)
         dead: list[int] = []
         stalled = False
         first_error: StepResult | None = None  # by arrival: the others' may be collective timeouts it caused
@@ -215,8 +223,7 @@ class WorkerGroup:
             events = dict(poller.poll(int(min(remaining_s, POLL_SLICE_S) * 1000)))
             if self._results not in events:  # a slice passed, or a local rank exited
                 # Any rank gone, even one that answered (with its collective's error), lost the group.
-                exited = {exits[fd] for fd in events if fd in exits}
-                dead = sorted(exited.union(self.dead_ranks(list(range(num_ranks)))))
+                dead = self.lost_ranks(events, exits)
                 if dead:
                     break
                 continue
