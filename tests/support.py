@@ -17,7 +17,6 @@ import httpx
 
 from deploy.model_info import read_model_info
 from proto.config import EngineConfig
-from proto.processes import process_alive  # noqa: F401 (the tests' import of it)
 
 if TYPE_CHECKING:
     import torch

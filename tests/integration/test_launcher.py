@@ -10,10 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import children_of, free_port, process_alive, tiny_config
+from support import children_of, free_port, tiny_config
 
 from deploy.allocator import find_tcmalloc
 from deploy.launcher import Stack, StartupError
+from proto.processes import process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import zmq
 import zmq.auth
-from support import (caplog_of, children_of, free_port, free_port_block, hf_greedy_texts, metric_value, process_alive,
+from support import (caplog_of, children_of, free_port, free_port_block, hf_greedy_texts, metric_value,
                      sse_events, supervised, tiny_config)
 
 from deploy.launcher import Child, Stack
 from proto import codec, sockets
 from proto.messages import StepResult
+from proto.processes import process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "What is the capital of France?"]
