@@ -83,6 +83,7 @@ def engine_grammar(spec: GrammarSpec) -> str:
     if spec.kind in ("json_schema", "json_object"):
         schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
         if isinstance(schema, dict):
+            close_objects(schema)
             schema = {**schema, "x-guidance": {**JSON_SCHEMA_OPTIONS, **schema.get("x-guidance", {})}}
         return json.dumps({"grammars": [{"json_schema": schema}]}, ensure_ascii=False)
     if spec.kind == "regex":
@@ -93,6 +94,36 @@ def engine_grammar(spec: GrammarSpec) -> str:
     else:
         lark = spec.source
     return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
+
+
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
+_SUBSCHEMA_KEYS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+                   "unevaluatedItems")
+_SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LIST_KEYS = ("items", "prefixItems", "anyOf", "oneOf")
+
+
+def close_objects(schema: dict) -> None:
+    """In place: every object schema that lists `properties` and says nothing of other keys gets
+    "additionalProperties": false, so the output holds only the properties the schema names (JSON
+    Schema would allow any others, and a small model fills them with invented keys). As vLLM's
+    default engine (xgrammar, strict mode) reads schemas. A schema keeps other keys open by
+    saying so ("additionalProperties": true or a schema, patternProperties, unevaluatedProperties);
+    schemas under allOf or beside allOf or $ref are left as they are, since closing one part of an
+    intersection would forbid the other parts' properties."""
+    stack: list[tuple[dict, bool]] = [(schema, True)]
+    while stack:
+        node, closable = stack.pop()
+        if closable and isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
+            node["additionalProperties"] = False
+        children: list[tuple[object, bool]] = [(node.get(key), True) for key in _SUBSCHEMA_KEYS]
+        children += [(sub, True) for key in _SUBSCHEMA_MAP_KEYS if isinstance(node.get(key), dict)
+                     for sub in node[key].values()]
+        children += [(sub, True) for key in _SUBSCHEMA_LIST_KEYS if isinstance(node.get(key), list)
+                     for sub in node[key]]
+        if isinstance(node.get("allOf"), list):
+            children += [(sub, False) for sub in node["allOf"]]
+        stack.extend((child, ok) for child, ok in children if isinstance(child, dict))
 
 
 def _escape_slashes(regex: str) -> str:

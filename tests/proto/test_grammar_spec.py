@@ -59,3 +59,22 @@ def test_regex_slashes_are_escaped_once_inside_lark_slashes(regex: str, lark: st
 def test_choices_become_quoted_lark_alternatives() -> None:
     grammar = json.loads(engine_grammar(GrammarSpec.choice(['say "hi"', "ünï"])))
     assert grammar["grammars"][0]["lark_grammar"] == 'start: "say \\"hi\\"" | "ünï"'
+
+
+def test_object_schemas_are_closed_where_they_say_nothing_of_other_keys() -> None:
+    schema = {"type": "object", "properties": {
+        "loc": {"type": "object", "properties": {"x": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"properties": {"t": {}}}},
+        "open": {"properties": {"y": {}}, "additionalProperties": {"type": "integer"}},
+        "either": {"anyOf": [{"properties": {"a": {}}}, {"type": "null"}]},
+        "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}}}
+    closed = json.loads(engine_grammar(GrammarSpec.json_schema(schema)))["grammars"][0]["json_schema"]
+    properties = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert properties["loc"]["additionalProperties"] is False
+    assert properties["tags"]["items"]["additionalProperties"] is False
+    assert properties["open"]["additionalProperties"] == {"type": "integer"}
+    assert properties["either"]["anyOf"][0]["additionalProperties"] is False
+    assert all("additionalProperties" not in part for part in properties["both"]["allOf"])  # an intersection
+    assert "additionalProperties" not in json.loads(GrammarSpec.json_schema(schema).source)  # the spec keeps the client's
+

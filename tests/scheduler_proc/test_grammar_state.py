@@ -124,3 +124,19 @@ def test_eos_is_consumed_only_where_the_grammar_accepts(table: GrammarTable,
     done = table.start(GrammarSpec("regex", "[0-9]+"))
     done.replay([*_encode(backend, "7"), eos])
     assert done.is_finished
+
+
+@pytest.mark.parametrize("extra, accepted", [(None, False), (True, True)])
+def test_an_object_takes_only_the_properties_it_names_unless_its_schema_opens_it(
+        table: GrammarTable, backend: tokenizers.Tokenizer, extra: bool | None, accepted: bool) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    if extra is not None:
+        schema["additionalProperties"] = extra
+    grammar = table.start(GrammarSpec.json_schema(schema))
+    tokens = _encode(backend, '{"city": "Paris", "country": "France"}')
+    if accepted:
+        grammar.replay(tokens)
+        assert grammar.is_accepting
+    else:
+        with pytest.raises(GrammarError):
+            grammar.replay(tokens)
