@@ -114,6 +114,8 @@ class CompletionRequest(SamplingFields):
         {"type": "string"}, {"type": "array", "items": {"type": "integer"}},
         {"type": "array", "items": {"type": "string"}, "maxItems": 1},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "maxItems": 1}]})
+    # 0 only with echo: the prompt scored (its logprobs), nothing generated.
+    max_tokens: int | None = _documented(minimum=0)
     echo: bool | None = False
     suffix: str | None = None
     logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)

@@ -48,6 +48,7 @@ class GenerationJob:
     include_usage: bool
     include_stop_str: bool = False  # the stop string or stop token that ended a choice stays in its text
     echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated
     grammar: GrammarSpec | None = None  # the output constraint (AddRequest.grammar), compile-checked
     tool_choice: ToolChoice = ToolChoice("none")  # chat: how tool calls are read from the output
 
@@ -69,8 +70,12 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: Mod
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
-    return _job(request, prompt_ids, _or(request.max_tokens, default_max_tokens), limits,
-                logprob_fields, echo_text, grammar)
+    # Scoring a prompt (OpenAI's and vLLM's echo with max_tokens 0): the engine computes it and
+    # samples one token as always; the response leaves that token out.
+    echo_only = bool(request.echo) and request.max_tokens == 0
+    max_tokens = 1 if echo_only else _or(request.max_tokens, default_max_tokens)
+    job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar)
+    return dataclasses.replace(job, echo_only=True) if echo_only else job
 
 
 def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
@@ -94,7 +99,10 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
         grammar = forced
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, limits.max_model_len, tools)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
-    room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages")
+    max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages", max_tokens_param)
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
     return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs},
                 grammar=grammar, tool_choice=tool_choice)
@@ -161,16 +169,16 @@ def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
 
 
 def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: ModelLimits,
-                       prompt_param: str) -> int:
+                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
     """Return the room left for output; 400 (saying both numbers) when the prompt does not fit."""
     num_prompt = len(prompt_ids)
-    wanted = "" if max_tokens is None else f" (plus max_tokens {max_tokens})"
+    wanted = "" if max_tokens is None else f" (plus {max_tokens_param} {max_tokens})"
     message = (f"This model's maximum context length is {limits.max_model_len} tokens, "
                f"but the prompt has {num_prompt} tokens{wanted}")
     if not prompt_fits(num_prompt, limits.max_model_len):
         raise bad_request(message, prompt_param, "context_length_exceeded")
     if max_tokens is not None and max_tokens > 0 and num_prompt + max_tokens > limits.max_model_len:
-        raise bad_request(message, "max_tokens", "context_length_exceeded")
+        raise bad_request(message, max_tokens_param, "context_length_exceeded")
     return limits.max_model_len - num_prompt
 
 
@@ -178,6 +186,8 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
          logprob_fields: dict[str, int], echo_text: str | None = None,
          grammar: GrammarSpec | None = None, tool_choice: ToolChoice = ToolChoice("none")) -> GenerationJob:
     stream_options = request.stream_options
+    if stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     return GenerationJob(
         prompt_token_ids=prompt_ids,
         sampling_params=_sampling_params(request, max_tokens, limits.vocab_size, logprob_fields),

@@ -49,17 +49,21 @@ class CompletionFormat:
         return _choice(index, "", None, finish_reason)
 
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]:
-        echo_text = generation.job.echo_text
-        text = choice.text if echo_text is None else echo_text + choice.text
+        """The choice's text and tokens after the echoed prompt; with echo_only the prompt alone,
+        ended by "length" (its max_tokens, 0, reached), whatever the one token sampled after it."""
+        job = generation.job
+        echo_text, output_text = job.echo_text, "" if job.echo_only else choice.text
+        text = output_text if echo_text is None else echo_text + output_text
+        finish_reason = FinishReason.LENGTH if job.echo_only else choice.finish_reason
         logprobs = None
         if choice.wants_logprobs:
-            token_ids, entries = list(choice.token_ids), list(choice.logprobs)
+            token_ids, entries = ([], []) if job.echo_only else (list(choice.token_ids), list(choice.logprobs))
             if echo_text is not None:
                 prompt_ids = generation.job.prompt_token_ids
                 token_ids[:0] = prompt_ids
                 entries[:0] = prompt_entries(prompt_ids, generation.prompt_logprobs)
             logprobs = CompletionLogprobs(self._tokenizer).build(token_ids, entries)
-        return _choice(choice.index, text, logprobs, choice.finish_reason)
+        return _choice(choice.index, text, logprobs, finish_reason)
 
 
 def _choice(index: int, text: str, logprobs: dict[str, Any] | None,

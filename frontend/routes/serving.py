@@ -153,10 +153,12 @@ def _envelope(state: ServerState, generation: Generation, object_name: str) -> d
 
 
 def _usage(generation: Generation) -> dict[str, Any]:
-    """Completion tokens of all choices; the prompt (and its cache hits) counts once."""
+    """Completion tokens of all choices (none when only the prompt is echoed); the prompt (and
+    its cache hits) counts once."""
+    num_output_tokens = 0 if generation.job.echo_only else generation.num_output_tokens
     return {"prompt_tokens": generation.num_prompt_tokens,
-            "completion_tokens": generation.num_output_tokens,
-            "total_tokens": generation.num_prompt_tokens + generation.num_output_tokens,
+            "completion_tokens": num_output_tokens,
+            "total_tokens": generation.num_prompt_tokens + num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}}
 
 

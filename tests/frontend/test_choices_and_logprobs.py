@@ -169,6 +169,32 @@ async def test_echo_without_logprobs_only_prepends_the_prompt(client, engine, to
     assert engine.added[0].sampling_params.prompt_logprobs == -1
 
 
+@pytest.mark.parametrize("logprobs", [None, 2])
+async def test_echo_with_max_tokens_0_returns_the_prompt_alone_to_score_it(client, engine, tokenizer, logprobs):
+    response = await client.post("/v1/completions", json={"prompt": "The capital", "echo": True,
+                                                           "max_tokens": 0, "logprobs": logprobs, "n": 2})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    prompt_ids = engine.added[0].prompt_token_ids
+    assert engine.added[0].sampling_params.max_tokens == 1  # the engine samples one, the response leaves it out
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [("The capital", "length")] * 2
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] == len(prompt_ids)
+    if logprobs is None:
+        assert body["choices"][0]["logprobs"] is None
+        return
+    shape = body["choices"][0]["logprobs"]
+    assert shape["tokens"] == [tokenizer.token_text(t) for t in prompt_ids]
+    assert shape["token_logprobs"][1:] == pytest.approx([prompt_logprob(p) for p in range(1, len(prompt_ids))])
+
+
+async def test_max_tokens_0_without_echo_is_refused_naming_the_limit(client, engine):
+    response = await client.post("/v1/completions", json={"prompt": "The capital", "max_tokens": 0})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens" and "got 0" in response.json()["error"]["message"]
+    assert not engine.added
+
+
 @pytest.mark.parametrize("prompt", [["The capital"], [[5, 6, 7]]])
 async def test_echo_of_a_batch_of_one_prepends_its_only_prompt(client, engine, tokenizer, prompt):
     response = await client.post("/v1/completions", json={"prompt": prompt, "echo": True,

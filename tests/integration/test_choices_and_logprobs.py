@@ -127,6 +127,20 @@ def test_echoed_prompt_and_greedy_tokens_have_hf_logprobs_at_every_position(
         assert_top_logprobs_equal_hf(logprobs["top_logprobs"][len(PROMPT_IDS):], generated, hf, tokenizer)
 
 
+def test_a_prompt_scored_with_echo_and_max_tokens_0_has_hf_logprobs_and_nothing_generated(
+        stack: Stack, tiny_model_dir: Path, hf_reference: tuple[list[int], torch.Tensor]) -> None:
+    _, hf = hf_reference
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    body = post(stack, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 0, "echo": True, "logprobs": TOP_K})
+    choice = body["choices"][0]
+    assert choice["text"] == tokenizer.decode(PROMPT_IDS, skip_special_tokens=False)
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.token_text(t) for t in PROMPT_IDS]
+    expected = [float(hf[t, token]) for t, token in enumerate(PROMPT_IDS[1:])]
+    assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+
+
 def test_greedy_logprobs_after_a_prefix_cache_hit_equal_hf_log_softmax(
         stack: Stack, tiny_model_dir: Path, hf_reference: tuple[list[int], torch.Tensor]) -> None:
     generated, hf = hf_reference
