@@ -33,6 +33,16 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def parse_origins(text: str) -> tuple[str, ...]:
+    """'*', '' or comma-separated origins as browsers send them: scheme://host[:port], no path."""
+    origins = tuple(part.strip() for part in text.split(",") if part.strip())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
+            raise argparse.ArgumentTypeError(f"an origin is scheme://host[:port] with no path (or '*'), "
+                                             f"got {origin!r}")
+    return origins
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("model", nargs="?", default=None,
@@ -43,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in the API (default: the model directory's name)")
     parser.add_argument("--api-key", default=defaults.api_key,
                         help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--allowed-origins", type=parse_origins, default=defaults.allowed_origins,
+                        help="comma-separated origins whose browser pages may call the API (CORS), "
+                             "e.g. https://chat.example.com; '*' (the default) = any, '' = none")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
                         help="auto: bfloat16 where the CPU (AMX, AVX512-BF16, AVX-NE-CONVERT) or GPU "
                              "computes it natively, else float32")
@@ -130,7 +143,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills,
         num_threads=args.num_threads,
         eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
-        api_key=args.api_key, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
+        api_key=args.api_key, allowed_origins=args.allowed_origins, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
         stall_timeout_s=args.stall_timeout,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,

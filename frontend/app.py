@@ -1,4 +1,4 @@
-"""The FastAPI application factory: state, routes, OpenAI errors, API key check, engine lifespan."""
+"""The FastAPI application factory: state, routes, OpenAI errors, CORS, API key check, engine lifespan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware
@@ -58,11 +59,15 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     for module in (completions, chat, misc):
         app.include_router(module.router)
     install_openapi(app)
-    # The last added runs first: the API key, then the body size, then admission.
+    # The last added runs first: CORS (a browser's preflight is answered before any check, and
+    # every answer, refusals too, carries its headers), the API key, the body size, admission.
     app.add_middleware(AdmissionMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, state=state, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 

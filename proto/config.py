@@ -55,6 +55,8 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""
+    # Origins whose browser pages may call the API (CORS); ("*",) = any, () = none (no CORS headers).
+    allowed_origins: tuple[str, ...] = ("*",)
     ready_timeout_s: float = 120.0
     step_timeout_s: float = 120.0
     # A step whose ranks on the scheduler's node use no CPU for this long turns /health 503
@@ -176,6 +178,7 @@ class EngineConfig:
             raise ValidationError(f"unknown config fields: {sorted(unknown)}")
         raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
         raw["devices"] = tuple(raw.get("devices", ()))
+        raw["allowed_origins"] = tuple(raw.get("allowed_origins", ("*",)))
         return cls(**raw)
 
 

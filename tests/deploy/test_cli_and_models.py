@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli import config_from_args, main, parse_size
+from deploy.cli import config_from_args, main, parse_origins, parse_size
 from deploy.launcher import Stack, StartupError
 from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
@@ -27,6 +27,24 @@ def test_memory_sizes_parse_with_units(text: str, expected: int) -> None:
 def test_bad_memory_sizes_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="not a memory size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("*", ("*",)), ("", ()), ("https://ui.example, http://localhost:3000", ("https://ui.example", "http://localhost:3000")),
+])
+def test_allowed_origins_parse_as_browsers_send_them(text: str, expected: tuple[str, ...]) -> None:
+    assert parse_origins(text) == expected
+
+
+@pytest.mark.parametrize("text", ["https://ui.example/", "ui.example", "https://ui.example/chat"])
+def test_an_origin_with_a_path_or_no_scheme_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="scheme://host"):
+        parse_origins(text)
+
+
+def test_allowed_origins_travel_to_the_children_in_the_config() -> None:
+    config = EngineConfig(model="m", allowed_origins=("https://ui.example",))
+    assert EngineConfig.from_json(config.to_json()) == config
 
 
 def test_model_info_reads_vocab_context_and_merged_eos_ids(tiny_model_dir: Path) -> None:
