@@ -21,11 +21,21 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> dict:
+    """OpenAI's model retrieval (the `openai` client's models.retrieve); 404 for another name."""
     state = get_state(request)
-    card = {"id": state.model_name, "object": "model", "created": state.created_s,
+    state.check_model(model)
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created_s,
             "owned_by": "conveyor", "root": state.config.model,
             "max_model_len": state.limits.max_model_len}
-    return {"object": "list", "data": [card]}
 
 
 @router.get("/health")

@@ -168,6 +168,15 @@ async def test_models_lists_the_served_name(client, config):
     assert body["data"][0]["max_model_len"] == config.max_model_len
 
 
+async def test_a_model_is_retrieved_by_its_name_with_slashes_and_another_is_a_404(client, config, make_http):
+    listed = (await client.get("/v1/models")).json()["data"][0]
+    assert (await client.get("/v1/models/tiny")).json() == listed
+    missing = await client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    async with make_http(config.with_updates(served_model_name="org/tiny-chat")) as http:
+        assert (await http.get("/v1/models/org/tiny-chat")).json()["id"] == "org/tiny-chat"
+
+
 async def test_tokenize_and_detokenize_round_trip(client, tokenizer):
     body = (await client.post("/tokenize", json={"prompt": "Héllo wörld"})).json()
     assert body["tokens"] == tokenizer.encode("Héllo wörld")
