@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from frontend.errors import APIError, describe_pydantic_errors
 from proto.sampling import (
@@ -22,6 +22,15 @@ from proto.sampling import (
 class _Strict(BaseModel):
     # strict: "0.5" is not a number and 1 is not a bool; unknown fields are ignored as OpenAI does.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _whole_float_as_int(value: Any) -> Any:
+    """10.0 -> 10 (what Python clients send after float arithmetic, and vLLM takes); any other
+    value goes on to strict validation unchanged, so 10.5, "10" and true stay errors."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+Count = Annotated[int, BeforeValidator(_whole_float_as_int)]  # an integer field that takes 10.0 too
 
 
 class StreamOptions(_Strict):
@@ -72,13 +81,13 @@ class SamplingFields(_Strict):
     request then gets SamplingParams' default (proto.sampling.DEFAULTS, the one place they live)."""
 
     model: str | None = None
-    max_tokens: int | None = _documented(minimum=1)
+    max_tokens: Count | None = _documented(minimum=1)
     temperature: float | None = _in_range("temperature")
     top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
-    n: int | None = _documented(minimum=1, maximum=MAX_N)
-    best_of: int | None = None
+    n: Count | None = _documented(minimum=1, maximum=MAX_N)
+    best_of: Count | None = None
     stop: str | list[str] | None = None
-    seed: int | None = _in_range("seed")
+    seed: Count | None = _in_range("seed")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = _in_range("presence_penalty")
@@ -97,8 +106,8 @@ class SamplingFields(_Strict):
     guided_grammar: str | None = None
     ignore_eos: bool = DEFAULTS.ignore_eos
     include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays
-    min_tokens: int = _documented(DEFAULTS.min_tokens, minimum=0)
-    top_k: int | None = _documented(minimum=-1)  # at most the vocabulary size
+    min_tokens: Count = _documented(DEFAULTS.min_tokens, minimum=0)
+    top_k: Count | None = _documented(minimum=-1)  # at most the vocabulary size
     min_p: float | None = _in_range("min_p")
     repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
@@ -115,10 +124,10 @@ class CompletionRequest(SamplingFields):
         {"type": "array", "items": {"type": "string"}, "maxItems": 1},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "maxItems": 1}]})
     # 0 only with echo: the prompt scored (its logprobs), nothing generated.
-    max_tokens: int | None = _documented(minimum=0)
+    max_tokens: Count | None = _documented(minimum=0)
     echo: bool | None = False
     suffix: str | None = None
-    logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: Count | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -141,9 +150,9 @@ class ChatRendering(_Strict):
 class ChatCompletionRequest(SamplingFields, ChatRendering):
     model_config = ConfigDict(json_schema_extra={"required": ["messages"]})
     messages: list[ChatMessage] = Field(default_factory=list, json_schema_extra={"minItems": 1})
-    max_completion_tokens: int | None = _documented(minimum=1)
+    max_completion_tokens: Count | None = _documented(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: Count | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None  # checked by frontend/tools.py
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None

@@ -21,6 +21,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "x", "max_tokens": -5}, "max_tokens", ">= 1"),
     ({"prompt": "x", "max_tokens": 1.5}, "max_tokens", "integer"),
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens", "integer"),
+    ({"prompt": "x", "n": True}, "n", "integer"),
     ({"prompt": "x", "n": 17}, "n", "between 1 and 16, got 17"),
     ({"prompt": "x", "n": 0}, "n", "between 1 and 16, got 0"),
     ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "must equal n (2)"),
@@ -72,6 +74,15 @@ BAD_CHATS = [
      "between 0 and 20, got 21"),
     ({"messages": USER, "logprobs": 1}, "logprobs", "valid boolean"),
 ]
+
+
+async def test_whole_numbers_written_as_floats_are_taken_as_integers(client, engine):
+    response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3.0, "n": 2.0,
+                                                           "seed": 7.0, "logprobs": 1.0})
+    assert response.status_code == 200, response.text
+    params = engine.added[0].sampling_params
+    assert (params.max_tokens, params.n, params.seed, params.logprobs) == (3, 2, 7, 1)
+    assert all(type(v) is int for v in (params.max_tokens, params.n, params.seed, params.logprobs))
 
 
 def assert_openai_error(response, status: int, param: str | None, words: str) -> None:
