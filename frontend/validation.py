@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.errors import bad_request, from_validation_error
+from frontend.errors import APIError, bad_request, from_validation_error
 from frontend.grammar_check import GrammarCheck
 from frontend.prompt_text import chat_prompt_ids, check_text_fits
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -21,6 +21,8 @@ from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
+# A completions batch runs its prompts side by side; this bounds what one request may queue.
+MAX_BATCH_SEQUENCES = 256
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,11 @@ class GenerationJob:
     tool_choice: ToolChoice = ToolChoice("none")  # chat: how tool calls are read from the output
 
 
-def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
-                   checker: GrammarCheck | None = None) -> GenerationJob:
-    """`logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too.
-    An output constraint is compile-checked by `checker` (skipped without one)."""
+def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
+                    checker: GrammarCheck | None = None) -> list[GenerationJob]:
+    """One job per prompt (a string, a list of token ids, or a batch of either: OpenAI's shapes).
+    `logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too. An
+    output constraint is compile-checked by `checker` (skipped without one), once for all prompts."""
     grammar = _check_choices(request, checker)
     if request.echo and request.stream:
         raise bad_request("echo is not supported with stream: send stream=false to get the prompt "
@@ -64,7 +67,20 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer, limits: Mod
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
-    prompt = _single_prompt(request.prompt)
+    prompts = _prompts(request.prompt, _or(request.n, DEFAULTS.n))
+    jobs = []
+    for index, prompt in enumerate(prompts):
+        try:
+            jobs.append(_completion_job(request, prompt, tokenizer, limits, logprobs, grammar))
+        except APIError as exc:
+            if len(prompts) > 1:
+                exc.message = f"prompt {index}: {exc.message}"
+            raise
+    return jobs
+
+
+def _completion_job(request: CompletionRequest, prompt: Any, tokenizer: Tokenizer, limits: ModelLimits,
+                    logprobs: int, grammar: GrammarSpec | None) -> GenerationJob:
     prompt_ids = completion_prompt_ids(prompt, tokenizer, limits)
     room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
     default_max_tokens = min(DEFAULTS.max_tokens, room)
@@ -108,18 +124,19 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
                 grammar=grammar, tool_choice=tool_choice)
 
 
-def _single_prompt(prompt: Any) -> Any:
-    """The prompt of a batch of exactly one (a string or a list of token ids); others unchanged."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise bad_request(f"batched prompts are not supported: send one prompt per request, "
-                              f"got {len(prompt)}", "prompt")
-        return prompt[0]
+def _prompts(prompt: Any, n: int) -> list[Any]:
+    """The prompts of a batch (a list of strings, or of token id lists), else [prompt]; a batch of
+    at most MAX_BATCH_SEQUENCES sequences in all (n each)."""
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        return [prompt]
+    if len(prompt) * n > MAX_BATCH_SEQUENCES:
+        raise bad_request(f"a batch of prompts may ask for at most {MAX_BATCH_SEQUENCES} sequences "
+                          f"(prompts x n), got {len(prompt)} x {n}", "prompt")
     return prompt
 
 
 def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
-    """A string or a list of token ids (a batch of one already unwrapped by `_single_prompt`).
+    """A string or a list of token ids (one prompt of a batch, `_prompts`).
     A prompt too long for the model is refused before its tokens are made or checked one by one."""
     if isinstance(prompt, str):
         check_text_fits(prompt, tokenizer, limits.max_model_len, "prompt")

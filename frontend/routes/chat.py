@@ -102,7 +102,8 @@ async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     raw = await request.body()
     job = await state.prepare(lambda: _prepare(raw, state))
-    return await serve_job(state, request, job, ChatFormat(state.tokenizer, state.tool_parser), arrival_s)
+    return await serve_job(state, request, [job], lambda: ChatFormat(state.tokenizer, state.tool_parser),
+                           arrival_s)
 
 
 def _prepare(raw: bytes, state: ServerState) -> GenerationJob:

@@ -16,7 +16,7 @@ from frontend.protocol import CompletionRequest, parse_body
 from frontend.routes.serving import serve_job
 from frontend.state import ServerState, get_state
 from frontend.tokenizer import Tokenizer
-from frontend.validation import GenerationJob, completion_job
+from frontend.validation import GenerationJob, completion_jobs
 from proto.messages import FinishReason
 
 router = APIRouter()
@@ -76,11 +76,11 @@ async def create_completion(request: Request) -> Response:
     arrival_s = time.monotonic()
     state = get_state(request)
     raw = await request.body()
-    job = await state.prepare(lambda: _prepare(raw, state))
-    return await serve_job(state, request, job, CompletionFormat(state.tokenizer), arrival_s)
+    jobs = await state.prepare(lambda: _prepare(raw, state))
+    return await serve_job(state, request, jobs, lambda: CompletionFormat(state.tokenizer), arrival_s)
 
 
-def _prepare(raw: bytes, state: ServerState) -> GenerationJob:
+def _prepare(raw: bytes, state: ServerState) -> list[GenerationJob]:
     body = parse_body(raw, CompletionRequest)
     state.check_model(body.model)
-    return completion_job(body, state.tokenizer, state.limits, state.grammar_checker)
+    return completion_jobs(body, state.tokenizer, state.limits, state.grammar_checker)

@@ -1,4 +1,4 @@
-"""The run of one generation request, shared by completions and chat: admit, stream or collect."""
+"""The run of one generation request (one or more prompts), shared by completions and chat: admit, stream or collect."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from frontend.batch import GenerationBatch
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineUnavailableError
 from frontend.errors import (INVALID_REQUEST_ERROR_CODE, QUEUE_LIMIT_OF_ERROR_CODE, APIError, bad_request,
@@ -25,7 +26,8 @@ from proto.messages import FinishReason
 class ResponseFormat(Protocol):
     """How one endpoint shapes its choices; everything else about serving is shared.
 
-    One instance serves one request, so it may keep per-choice state across stream chunks.
+    One instance serves one prompt of one request, so it may keep per-choice state across stream
+    chunks; the indexes it is given and writes are the choice's within its prompt.
     """
 
     id_prefix: str
@@ -42,40 +44,46 @@ class ResponseFormat(Protocol):
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]: ...
 
 
-async def serve_job(state: ServerState, request: Request, job: GenerationJob, fmt: ResponseFormat,
-                    arrival_s: float) -> Response:
-    """Run and answer one validated job; `arrival_s` is time.monotonic() at arrival. A stream's
-    headers wait until the scheduler has queued the request, so a refusal keeps its status."""
+async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJob],
+                    make_format: Callable[[], ResponseFormat], arrival_s: float) -> Response:
+    """Run and answer validated jobs, one per prompt (frontend/batch.py); `arrival_s` is
+    time.monotonic() at arrival. A stream's headers wait until the scheduler has queued every
+    prompt, so a refusal keeps its status. One format per prompt: formats keep per-choice state."""
     state.check_serving()
-    request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    generation = Generation(state.engine, state.tokenizer, state.metrics, request_id, job, arrival_s,
-                            state.config.eos_token_ids)
-    state.active.add(generation)
+    fmts = [make_format() for _ in jobs]
+    request_id = f"{fmts[0].id_prefix}-{uuid.uuid4().hex}"
+    engine_ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
+    batch = GenerationBatch(request_id, [
+        Generation(state.engine, state.tokenizer, state.metrics, engine_id, job, arrival_s,
+                   state.config.eos_token_ids) for engine_id, job in zip(engine_ids, jobs)])
+    state.active.update(batch.generations)
     handed_over = False
     try:
-        async with abort_on_disconnect(request.receive, generation.abort):
+        async with abort_on_disconnect(request.receive, batch.abort):
             try:
-                await (generation.start() if job.stream else generation.run())
+                await (batch.start() if jobs[0].stream else batch.run())
             except EngineUnavailableError as exc:
                 raise _unavailable(exc) from exc
-        if generation.failure is not None:
-            return _failure(state, generation).response()
-        if job.stream:
+        failed = batch.failed
+        if failed is not None:
+            return _failure(state, failed).response()
+        if jobs[0].stream:
             handed_over = True
-            return GenerationStream(_sse_events(state, request, generation, fmt),
-                                    lambda: _end(state, generation))
-        body = _envelope(state, generation, fmt.object_name)
-        body["choices"] = [fmt.final_choice(generation, choice) for choice in generation.choices]
-        body["usage"] = _usage(generation)
+            return GenerationStream(_sse_events(state, request, batch, fmts), lambda: _end(state, batch))
+        body = _envelope(state, batch, fmts[0].object_name)
+        fmt_of = dict(zip(map(id, batch.generations), fmts))
+        body["choices"] = [_numbered(fmt_of[id(generation)].final_choice(generation, choice), index)
+                           for generation, choice, index in batch.choices()]
+        body["usage"] = _usage(batch)
         return JSONResponse(body)
     finally:
         if not handed_over:
-            await _end(state, generation)
+            await _end(state, batch)
 
 
-async def _end(state: ServerState, generation: Generation) -> None:
-    state.active.discard(generation)
-    await generation.close()
+async def _end(state: ServerState, batch: GenerationBatch) -> None:
+    state.active.difference_update(batch.generations)
+    await batch.close()
 
 
 class GenerationStream(StreamingResponse):
@@ -96,33 +104,42 @@ class GenerationStream(StreamingResponse):
             await self._on_close()
 
 
-async def _sse_events(state: ServerState, request: Request, generation: Generation,
-                      fmt: ResponseFormat) -> AsyncGenerator[str, None]:
-    include_usage = generation.job.include_usage
-    envelope = _envelope(state, generation, fmt.chunk_object_name)
+async def _sse_events(state: ServerState, request: Request, batch: GenerationBatch,
+                      fmts: list[ResponseFormat]) -> AsyncGenerator[str, None]:
+    include_usage = batch.generations[0].job.include_usage
+    envelope = _envelope(state, batch, fmts[0].chunk_object_name)
     if include_usage:
         envelope["usage"] = None
+    fmt_of = dict(zip(map(id, batch.generations), fmts))
 
-    def chunk(choice: dict[str, Any]) -> str:
-        return _sse({**envelope, "choices": [choice]})
+    def chunk(choice: dict[str, Any], offset: int) -> str:
+        return _sse({**envelope, "choices": [_numbered(choice, offset + choice["index"])]})
 
-    async with abort_on_disconnect(request.receive, generation.abort):
-        for first in fmt.first_choices(generation):
-            yield chunk(first)
+    async with abort_on_disconnect(request.receive, batch.abort):
+        for generation, fmt in zip(batch.generations, fmts):
+            for first in fmt.first_choices(generation):
+                yield chunk(first, batch.offset(generation))
         try:
-            async for delta in generation.deltas():
+            async for generation, delta in batch.deltas():
+                fmt, offset = fmt_of[id(generation)], batch.offset(generation)
                 for choice in fmt.chunk_choices(generation, delta):
-                    yield chunk(choice)
+                    yield chunk(choice, offset)
                 if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                    yield chunk(fmt.finish_choice(delta.index, delta.finish_reason))
+                    yield chunk(fmt.finish_choice(delta.index, delta.finish_reason), offset)
         except EngineUnavailableError as exc:
             yield _sse(_unavailable(exc).body())
         else:
-            if generation.failure is not None:
-                yield _sse(_failure(state, generation).body())
+            failed = batch.failed
+            if failed is not None:
+                yield _sse(_failure(state, failed).body())
             elif include_usage:
-                yield _sse({**envelope, "choices": [], "usage": _usage(generation)})
+                yield _sse({**envelope, "choices": [], "usage": _usage(batch)})
         yield "data: [DONE]\n\n"
+
+
+def _numbered(choice: dict[str, Any], index: int) -> dict[str, Any]:
+    """The choice as the response numbers it (prompt_index * n + its index in its prompt)."""
+    return choice if choice["index"] == index else {**choice, "index": index}
 
 
 def _unavailable(exc: EngineUnavailableError) -> APIError:
@@ -147,19 +164,20 @@ def _failure(state: ServerState, generation: Generation) -> APIError:
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
 
 
-def _envelope(state: ServerState, generation: Generation, object_name: str) -> dict[str, Any]:
-    return {"id": generation.request_id, "object": object_name, "created": generation.created_s,
+def _envelope(state: ServerState, batch: GenerationBatch, object_name: str) -> dict[str, Any]:
+    return {"id": batch.request_id, "object": object_name, "created": batch.created_s,
             "model": state.model_name}
 
 
-def _usage(generation: Generation) -> dict[str, Any]:
-    """Completion tokens of all choices (none when only the prompt is echoed); the prompt (and
-    its cache hits) counts once."""
-    num_output_tokens = 0 if generation.job.echo_only else generation.num_output_tokens
-    return {"prompt_tokens": generation.num_prompt_tokens,
+def _usage(batch: GenerationBatch) -> dict[str, Any]:
+    """Completion tokens of all choices (none when only the prompt is echoed); each prompt (and
+    its cache hits) counts once, however many choices it has."""
+    num_prompt_tokens = batch.num_prompt_tokens
+    num_output_tokens = batch.num_output_tokens(batch.generations[0].job.echo_only)
+    return {"prompt_tokens": num_prompt_tokens,
             "completion_tokens": num_output_tokens,
-            "total_tokens": generation.num_prompt_tokens + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}}
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": batch.num_cached_tokens}}
 
 
 def _sse(payload: dict[str, Any]) -> str:

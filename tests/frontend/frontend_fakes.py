@@ -61,7 +61,8 @@ class FakeEngineClient:
 
     A choice ends with "length" when max_tokens cuts its reply, else with `finish_reason`. With
     `hang` it sends the replies but never finishes (until aborted, or `finish_running`); with
-    `fail_with` it errors at once (with the ERROR_* code `fail_code`). Every step is routed at
+    `fail_with` it errors at once (with the ERROR_* code `fail_code`; only the requests added from
+    the `fail_from`-th on). Every step is routed at
     once; the request's stream then reads them at its own pace (with `hold`, only once released).
     A coded failure (a full queue) is
     a refusal at admission, as the scheduler's: no lifecycle event but FINISHED.
@@ -74,6 +75,7 @@ class FakeEngineClient:
         self.finish_reason = "stop"
         self.fail_with = ""
         self.fail_code = ERROR_NONE
+        self.fail_from = 0  # fail_with applies to the requests added from this one on (0: all)
         self.hang = False
         self.hold = False  # the scheduler says nothing (not even "queued") until release_held()
         self.held: list[tuple[str, list[int], SamplingParams]] = []
@@ -166,8 +168,9 @@ class FakeEngineClient:
 
     def _run(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         choices = range(params.n)
-        if self.fail_with and self.fail_code != ERROR_NONE:  # refused at admission: never queued
-            rows = [_Row(c, [], "error", self.fail_with, self.fail_code) for c in choices]
+        fail_with = self.fail_with if [r.request_id for r in self.added].index(request_id) >= self.fail_from else ""
+        if fail_with and self.fail_code != ERROR_NONE:  # refused at admission: never queued
+            rows = [_Row(c, [], "error", fail_with, self.fail_code) for c in choices]
             self._send(request_id, rows, [(request_id, c, EVENT_FINISHED) for c in choices], step=False)
             return
         events = [(request_id, c, EVENT_QUEUED) for c in choices]
@@ -175,8 +178,8 @@ class FakeEngineClient:
         self._clock_s += QUEUE_S
         self._send(request_id, [], [(request_id, c, EVENT_SCHEDULED) for c in choices], step=False)
         self._clock_s += PREFILL_S
-        if self.fail_with:
-            rows = [_Row(c, [], "error", self.fail_with, self.fail_code) for c in choices]
+        if fail_with:
+            rows = [_Row(c, [], "error", fail_with, self.fail_code) for c in choices]
             self._send(request_id, rows, [(request_id, c, EVENT_FINISHED) for c in choices])
             return
         replies = [self.reply_of(c)[:params.max_tokens] for c in choices]

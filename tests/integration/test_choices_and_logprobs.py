@@ -164,3 +164,13 @@ def test_repeated_long_prompt_reports_cached_tokens(stack: Stack) -> None:
     second = post(stack, "/v1/completions", request)["usage"]
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     assert 0 < second["prompt_tokens_details"]["cached_tokens"] < len(prompt)
+
+
+def test_a_batch_of_prompts_gives_each_prompt_the_text_it_gets_alone(stack: Stack) -> None:
+    prompts = [[11, 12, 13, 14], [40, 41], [7, 8, 9]]
+    request = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2}
+    alone = [post(stack, "/v1/completions", {**request, "prompt": p})["choices"][0]["text"] for p in prompts]
+    body = post(stack, "/v1/completions", {**request, "prompt": prompts})
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["text"] for c in body["choices"]] == [text for text in alone for _ in range(2)]
+    assert body["usage"]["prompt_tokens"] == 9 and body["usage"]["completion_tokens"] == 36
