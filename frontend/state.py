@@ -78,9 +78,14 @@ class ServerState:
             raise self._refused("max_num_waiting", f"too many requests in flight: the limit is "
                                 f"{self.max_in_flight} (max_num_seqs + max_num_waiting)")
         stats, config = self.engine.latest_stats, self.config
-        if stats is not None and stats.num_waiting >= config.max_num_waiting:
+        # Waiting sequences that free seats take at the next step are not queued for long (the
+        # scheduler's own rule, scheduler_proc.admission).
+        num_free_seats = 0 if stats is None or not stats.workers_serving else \
+            max(config.max_num_seqs - stats.num_running, 0)
+        if stats is not None and stats.num_waiting >= config.max_num_waiting + num_free_seats:
             raise self._refused("max_num_waiting", f"the waiting queue is full: {stats.num_waiting} "
-                                f"sequences are waiting and max_num_waiting is {config.max_num_waiting}")
+                                f"sequences are waiting and max_num_waiting is {config.max_num_waiting} "
+                                f"(beyond {num_free_seats} free seat{'' if num_free_seats == 1 else 's'})")
         if stats is not None and stats.num_waiting_tokens >= config.max_waiting_tokens:
             raise self._refused("max_waiting_tokens", f"the waiting queue is full: "
                                 f"{stats.num_waiting_tokens} prompt tokens are waiting and "

@@ -13,7 +13,7 @@ from scheduler_proc.request import max_num_kv_tokens
 
 
 def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int,
-                     num_waiting: int, num_waiting_tokens: int) -> tuple[str, int]:
+                     num_waiting: int, num_waiting_tokens: int, num_free_seats: int = 0) -> tuple[str, int]:
     """("", ERROR_NONE) if the request may queue; otherwise the error message it finishes with and
     its ERROR_* code: ERROR_QUEUE_FULL / ERROR_WAITING_TOKENS_FULL for a queue full by count or
     by prompt tokens (it may succeed later, the frontend answers 429), ERROR_INVALID_REQUEST for
@@ -21,7 +21,10 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
 
     Rejecting here, rather than letting it wait, is what keeps an impossible request from
     waiting forever: such a request would never fit, however long the others take. An empty
-    queue takes any request that can run, so none is refused by the queue bounds forever.
+    queue takes any request that can run, so none is refused by the queue bounds forever. The
+    sequences that the free seats (`num_free_seats`: max_num_seqs less those running) take at the
+    next step do not count against max_num_waiting: a burst to an idle server fills its seats and
+    then its queue, max_num_seqs + max_num_waiting sequences in all.
     A resubmission to a replaced scheduler (AddRequest.resume) was admitted once already: the
     queue limits do not refuse it, and a refusal is the server's error (ERROR_NONE), not the
     client's.
@@ -29,9 +32,10 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
     if message.resume is not None:  # its client sent a valid request long ago: not a 400 now
         return _never_runs_reason(message, config, num_kv_blocks), ERROR_NONE
     num_choices = message.sampling_params.n  # each choice waits as a sequence of its own
-    if num_waiting and num_waiting + num_choices > config.max_num_waiting:
+    if num_waiting and num_waiting + num_choices > config.max_num_waiting + num_free_seats:
         return (f"the waiting queue is full: {num_waiting} sequences are waiting, this request adds "
-                f"{num_choices} and max_num_waiting is {config.max_num_waiting}"), ERROR_QUEUE_FULL
+                f"{num_choices} and max_num_waiting is {config.max_num_waiting} (beyond {num_free_seats} "
+                f"free seat{'' if num_free_seats == 1 else 's'})"), ERROR_QUEUE_FULL
     num_prompt = len(message.prompt_token_ids)
     if num_waiting and num_waiting_tokens + num_prompt > config.max_waiting_tokens:
         return (f"the waiting queue is full: {num_waiting_tokens} prompt tokens are waiting, this "

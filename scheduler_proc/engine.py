@@ -96,12 +96,15 @@ class SchedulerEngine:
                 return request
         return None
 
-    def add(self, message: AddRequest) -> None:
-        """Queue a new request's choices, or finish each at once with "error" if it can never run."""
+    def add(self, message: AddRequest, seats_open: bool = True) -> None:
+        """Queue a new request's choices, or finish each at once with "error" if it can never run
+        (or may not queue). `seats_open`: whether free seats take waiting sequences at the next
+        step (not while no worker group serves)."""
         request_id, params, now = message.request_id, message.sampling_params, time.time()
+        num_free_seats = max(self.config.max_num_seqs - len(self.queues.running), 0) if seats_open else 0
         reason, error_code = rejection_reason(message, self.config, self.block_manager.num_blocks,
                                               len(self.queues.waiting) + self.queues.num_held,
-                                              self.queues.num_waiting_tokens)
+                                              self.queues.num_waiting_tokens, num_free_seats)
         duplicate = request_id in self._requests
         if duplicate:
             logger.warning("duplicate request id %r rejected", request_id)

@@ -196,7 +196,7 @@ class SchedulerLoop:
                 return
             match self._reader.decode(frame, sockets.REQUEST_MESSAGES):
                 case AddRequest() as add:
-                    self.engine.add(add)
+                    self.engine.add(add, seats_open=self._workers_serving)
                 case AbortRequest() as abort:
                     self.engine.abort(abort.request_ids, abort.choice_indices.tolist())
                 case FrontendHello() as hello:

@@ -169,6 +169,18 @@ async def test_a_queue_the_scheduler_reports_full_is_refused_before_the_body_is_
     assert 'conveyor:request_rejected_total{model_name="tiny",reason="max_waiting_tokens"} 1.0' in metrics
 
 
+async def test_waiting_sequences_that_free_seats_will_take_do_not_fill_the_queue_at_the_door(config, engine, make_http):
+    engine.num_running, engine.num_waiting = 2, 5  # what the fake scheduler reports
+    async with make_http(config.with_updates(max_num_seqs=4, max_num_waiting=4)) as http:
+        assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+        assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 200  # 5 < 4 + 2 free
+        engine.num_running = 4
+        engine.heartbeat()
+        refused = await http.post("/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 429
+        assert "max_num_waiting is 4 (beyond 0 free seats)" in refused.json()["error"]["message"]
+
+
 async def test_a_scheduler_refusal_by_waiting_tokens_is_a_429_counted_under_its_limit(client, engine):
     engine.fail_with, engine.fail_code = "the waiting queue is full: 900 prompt tokens", ERROR_WAITING_TOKENS_FULL
     response = await client.post("/v1/chat/completions", json={"messages": USER, "stream": True})

@@ -164,35 +164,51 @@ def test_a_result_with_the_wrong_number_of_tokens_fails_the_step_not_the_engine(
 
 
 def test_a_full_waiting_queue_rejects_the_new_request_and_names_the_limit() -> None:
-    harness = Harness(max_num_waiting=2)
-    for request_id in ("a", "b", "c"):
+    harness = Harness(max_num_seqs=1, max_num_waiting=2)
+    for request_id in ("a", "b", "c", "d"):  # the free seat takes one, the queue two more
         harness.add(request_id, 4, max_tokens=2)
     outputs = harness.engine.drain_outputs()
-    assert outputs.request_ids == ["c"] and outputs.finish_reasons == ["error"]
-    assert "max_num_waiting is 2" in outputs.error_messages[0]
+    assert outputs.request_ids == ["d"] and outputs.finish_reasons == ["error"]
+    assert "max_num_waiting is 2 (beyond 1 free seat)" in outputs.error_messages[0]
     harness.log.record(outputs)
     harness.run()
-    assert harness.log.finish_reasons == {"a": "length", "b": "length", "c": "error"}
+    assert harness.log.finish_reasons == {"a": "length", "b": "length", "c": "length", "d": "error"}
+
+
+def test_a_burst_to_an_idle_engine_fills_its_seats_and_then_its_queue() -> None:
+    harness = Harness(max_num_seqs=4, max_num_waiting=2)
+    for index in range(7):
+        harness.add(f"r{index}", 4, max_tokens=2)
+    outputs = harness.engine.drain_outputs()
+    assert outputs.request_ids == ["r6"] and "beyond 4 free seats" in outputs.error_messages[0]
+    harness.log.record(outputs)
+    harness.step()  # four run: their seats are no longer free, the queue holds two
+    harness.add("late", 4, max_tokens=2)
+    late = harness.engine.drain_outputs()
+    assert late.request_ids == ["late"] and "beyond 0 free seats" in late.error_messages[0]
+    harness.log.record(late)
+    harness.run()
+    assert harness.log.finish_reasons == {**{f"r{i}": "length" for i in range(6)}, "r6": "error", "late": "error"}
 
 
 def test_each_choice_of_a_request_counts_against_the_waiting_queue_bound_unless_it_is_empty() -> None:
-    harness = Harness(max_num_waiting=3)
+    harness = Harness(max_num_seqs=1, max_num_waiting=3)
     harness.add("a", 4, max_tokens=2)
-    harness.add("three", 4, max_tokens=2, n=3)  # 1 + 3 sequences would pass 3
+    harness.add("four", 4, max_tokens=2, n=4)  # 1 + 4 sequences would pass 3 + the free seat
     harness.add("two", 4, max_tokens=2, n=2)
     outputs = harness.engine.drain_outputs()
-    assert outputs.request_ids == ["three"] * 3 and "this request adds 3" in outputs.error_messages[0]
+    assert outputs.request_ids == ["four"] * 4 and "this request adds 4" in outputs.error_messages[0]
     harness.log.record(outputs)
     harness.run()
     harness.add("five", 4, max_tokens=2, n=5)  # an empty queue takes it
     harness.run()
-    assert harness.log.finish_reasons == {"a": "length", "three": "error", "three#1": "error", "three#2": "error",
+    assert harness.log.finish_reasons == {"a": "length", **{f"four{s}": "error" for s in ("", "#1", "#2", "#3")},
                                           "two": "length", "two#1": "length", **{
                                               key: "length" for key in ("five", "five#1", "five#2", "five#3", "five#4")}}
 
 
 def test_a_full_queue_rejection_carries_the_queue_full_code_and_one_that_never_runs_invalid_request() -> None:
-    harness = Harness(max_num_waiting=1, max_model_len=16)
+    harness = Harness(max_num_seqs=1, max_num_waiting=1, max_model_len=16)
     harness.add("too-long", 17, max_tokens=1)
     harness.add("a", 4, max_tokens=2)
     harness.add("full", 4, max_tokens=2, n=2)
