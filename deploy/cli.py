@@ -163,15 +163,23 @@ def serve(args: argparse.Namespace) -> int:
     log.info("serving model directory %s as %r (%s scheduling)", config.model,
              config.served_model_name, config.scheduling)
     stopping = {"flag": False}
+    stacks: list = []  # the running Stack, for a second signal to hurry
 
     def request_stop(signum: int, _frame: object) -> None:
+        if stopping["flag"] and stacks:
+            log.info("received %s again; aborting in-flight requests and stopping now", signal.Signals(signum).name)
+            stacks[0].hurry()
+            return
         log.info("received %s; draining and stopping", signal.Signals(signum).name)
         stopping["flag"] = True
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    # SIGHUP (the terminal closed) drains as SIGTERM does, rather than killing the supervisor
+    # outright and leaving its children to die unanswered.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, request_stop)
     try:
         with Stack(config, should_stop=lambda: stopping["flag"]) as stack:
+            stacks.append(stack)
             if config.node_rank == 0:
                 log.info("conveyor is answering on %s (OpenAI API under /v1)", stack.url)
             else:

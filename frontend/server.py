@@ -74,7 +74,9 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
 class DrainingServer(uvicorn.Server):
     """uvicorn that drains on the first SIGTERM/SIGINT: /health and new requests get 503 while
     in-flight requests run on for up to `shutdown_timeout_s`; the rest are then aborted (each
-    still gets a terminal response) before uvicorn stops. A second signal stops at once."""
+    still gets a terminal response) before uvicorn stops. A second signal aborts what is still in
+    flight at once (each request still answered) and stops within UVICORN_GRACE_S; a third
+    stops without waiting for anything."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float,
                  on_started: Callable[[], None]) -> None:
@@ -84,6 +86,7 @@ class DrainingServer(uvicorn.Server):
         self._on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._hurried = False  # a second signal came: in-flight requests are aborted now
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -96,21 +99,28 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler would re-raise the signal at exit; a drained exit is a clean exit.
-        if self._state.draining or self._loop is None:
+        if self._loop is None or self._hurried:
             self.should_exit = self.force_exit = True
+            return
+        if self._state.draining:
+            logger.info("got signal %d again: aborting %d in-flight requests now", sig, self._state.num_in_flight)
+            self._hurried = True
+            self._loop.call_soon_threadsafe(self._start_drain, 0.0)
             return
         logger.info("got signal %d: draining %d in-flight requests (up to %.0f s)",
                     sig, self._state.num_in_flight, self._shutdown_timeout_s)
         self._state.draining = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._loop.call_soon_threadsafe(self._start_drain, self._shutdown_timeout_s)
 
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.create_task(self._drain())
+    def _start_drain(self, timeout_s: float) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        self._drain_task = asyncio.create_task(self._drain(timeout_s))
 
-    async def _drain(self) -> None:
-        await self._wait_idle(self._shutdown_timeout_s)
+    async def _drain(self, timeout_s: float) -> None:
+        await self._wait_idle(timeout_s)
         if self._state.num_in_flight:
-            logger.warning("shutdown timeout: aborting %d requests", self._state.num_in_flight)
+            logger.warning("shutdown: aborting %d requests", self._state.num_in_flight)
             self._state.abort_all("the server is shutting down")
             await self._wait_idle(UVICORN_GRACE_S)
         self.should_exit = True

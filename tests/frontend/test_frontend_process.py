@@ -134,6 +134,29 @@ def test_requests_still_running_at_the_shutdown_timeout_are_aborted_with_an_answ
         process.wait()
 
 
+def test_a_second_signal_aborts_what_is_in_flight_with_an_answer_and_stops_at_once(
+        tiny_model_dir, runtime_dir, control, fake_scheduler):
+    process = start_frontend(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=60.0))
+    try:
+        url = report(control, process).detail
+        wait_for_health(url)
+        held, results = post_in_background(url, {"prompt": [0, 1]})  # never answered
+        wait_for_add_request(fake_scheduler)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert held.is_alive()  # the first signal drains: it waits for the request
+        started_s = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        held.join(timeout=20)
+        assert results[0].status_code == 503 and "shutting down" in results[0].json()["error"]["message"]
+        assert process.wait(timeout=15) == 0
+        assert time.monotonic() - started_s < 10.0  # not the 60 s shutdown timeout
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
 def test_busy_port_is_reported_as_process_failed(tiny_model_dir, runtime_dir, control):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

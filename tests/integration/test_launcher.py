@@ -82,7 +82,8 @@ def health_status(base_url: str) -> int | None:
         return None
 
 
-def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: its terminal closed
+def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: int) -> None:
     port = free_port()
     command = [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--port", str(port),
                "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1",
@@ -100,13 +101,14 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
         assert response.status_code == 200, response.text
         children = children_of(server.pid)
         assert len(children) >= 3
-        server.send_signal(signal.SIGTERM)
+        server.send_signal(signum)
         output, _ = server.communicate(timeout=60)
     finally:
         if server.poll() is None:
             server.kill()
     assert server.returncode == 0, output
     assert str(tiny_model_dir) in output  # the model directory is logged at start-up
+    assert f"received {signal.Signals(signum).name}; draining" in output
     assert not any(process_alive(pid) for pid in children)
 
 

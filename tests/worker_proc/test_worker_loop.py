@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def scheduler_side() -> Iterator[tuple[SchedulerSide, str]]:
     side = SchedulerSide(runtime_dir)
     yield side, runtime_dir
     side.context.destroy(linger=0)
+    shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 def worker_argv(config: EngineConfig) -> list[str]:
