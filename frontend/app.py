@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware
+from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware, HttpMetricsMiddleware
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError, install_error_handlers
 from frontend.grammar_check import BackgroundGrammarChecker, GrammarChecker
@@ -59,8 +59,9 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     for module in (completions, chat, misc):
         app.include_router(module.router)
     install_openapi(app)
-    # The last added runs first: CORS (a browser's preflight is answered before any check, and
-    # every answer, refusals too, carries its headers), the API key, the body size, admission.
+    # The last added runs first: the HTTP answer count, CORS (a browser's preflight is answered
+    # before any check, and every answer, refusals too, carries its headers), the API key, the
+    # body size, admission.
     app.add_middleware(AdmissionMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, state=state, max_bytes=config.max_request_body_bytes)
     if config.api_key:
@@ -68,6 +69,8 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    route_paths = frozenset(route.path for module in (completions, chat, misc) for route in module.router.routes)
+    app.add_middleware(HttpMetricsMiddleware, state=state, route_paths=route_paths)
     return app
 
 

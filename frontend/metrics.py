@@ -1,4 +1,5 @@
-"""Prometheus metrics of the frontend (vLLM's names under the `conveyor:` prefix), own registry.
+"""Prometheus metrics of the frontend (vLLM's names under the `conveyor:` prefix), own registry,
+with the frontend process's own `process_*` series (memory, CPU, open files).
 
 Counting unit: each of a request's n choices is one engine sequence, as vLLM V1 runs each sample
 as a child request; so request_success_total, the latency histograms and
@@ -14,7 +15,7 @@ since the last message: a counter never goes backwards.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from frontend.lifecycle import LifecycleTracker
 from proto.messages import FinishReason, StepOutputs
@@ -70,6 +71,7 @@ class FrontendMetrics:
     def __init__(self, model_name: str, max_num_seqs: int = 1, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 2048) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # this process's process_resident_memory_bytes, CPU, fds
         self._model_name = model_name
         self._max_num_seqs = max_num_seqs
         self._seen_totals = dict.fromkeys(_SCHEDULER_TOTALS, 0)  # high-water marks
@@ -113,6 +115,8 @@ class FrontendMetrics:
                                         ("model_name", "reason"), registry=self.registry)
         for reason in REJECTION_REASONS:
             self.request_rejected.labels(model_name, reason)
+        self.http_requests = Counter(PREFIX + "http_requests_total", "HTTP answers by route, method and status.",
+                                     ("model_name", "handler", "method", "status"), registry=self.registry)
         self.time_to_first_token = histogram("time_to_first_token_seconds",
                                              "Request arrival to a choice's first token.", TTFT_BUCKETS_S)
         self.inter_token_latency = histogram("inter_token_latency_seconds",
@@ -154,6 +158,10 @@ class FrontendMetrics:
 
     def record_request_finished(self, num_prompt_tokens: int) -> None:
         self.request_prompt_tokens.observe(num_prompt_tokens)
+
+    def record_http(self, handler: str, method: str, status: int) -> None:
+        """`handler`: the route's path template (or "other"), so the series stay few."""
+        self.http_requests.labels(self._model_name, handler, method, str(status)).inc()
 
     def record_rejection(self, reason: str) -> None:
         """`reason`: one of REJECTION_REASONS."""

@@ -186,6 +186,28 @@ async def test_each_app_has_its_own_metrics_registry(config, engine, tokenizer):
     assert samples(second.render().decode())["conveyor:generation_tokens_total"] == 0
 
 
+async def test_every_http_answer_is_counted_by_route_method_and_status(config, make_http):
+    async with make_http(config.with_updates(api_key="sesame", max_num_seqs=1, max_num_waiting=1)) as http:
+        key = {"Authorization": "Bearer sesame"}
+        await http.get("/v1/models", headers=key)
+        await http.get("/v1/models/tiny", headers=key)
+        await http.get("/v1/models/other", headers=key)
+        await http.post("/v1/completions", json={"prompt": "x"})  # no key: 401 before routing
+        await http.post("/v1/completions", json={"prompt": "x", "n": 99}, headers=key)
+        await http.get("/no/such/path")
+        text = (await http.get("/metrics")).text
+    found = samples(text)
+    http_requests = {name: value for name, value in found.items() if name.startswith("conveyor:http_requests_total")}
+    assert http_requests == {
+        'conveyor:http_requests_total{handler="/v1/models"}{method="GET"}{status="200"}': 1.0,
+        'conveyor:http_requests_total{handler="/v1/models/{model:path}"}{method="GET"}{status="200"}': 1.0,
+        'conveyor:http_requests_total{handler="/v1/models/{model:path}"}{method="GET"}{status="404"}': 1.0,
+        'conveyor:http_requests_total{handler="/v1/completions"}{method="POST"}{status="401"}': 1.0,
+        'conveyor:http_requests_total{handler="/v1/completions"}{method="POST"}{status="400"}': 1.0,
+        'conveyor:http_requests_total{handler="other"}{method="GET"}{status="404"}': 1.0}
+    assert "process_resident_memory_bytes" in text  # the frontend's own memory, to alert on
+
+
 async def test_health_follows_scheduler_heartbeats(config, tokenizer):
     # Never started: frames fed by hand. 1 s of silence means hung: long enough for two requests
     # on a loaded machine, short enough to wait out.
