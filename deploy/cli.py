@@ -50,7 +50,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--served-model-name", default=defaults.served_model_name,
-                        help="the model's name in the API (default: the model directory's name)")
+                        help="the model's name in the API (default: the Hugging Face id it was given as, "
+                             "else the model directory's name)")
     parser.add_argument("--api-key", default=defaults.api_key,
                         help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--allowed-origins", type=parse_origins, default=defaults.allowed_origins,

@@ -97,3 +97,13 @@ def test_every_module_started_by_name_can_be_run(module: str) -> None:
     main = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
     assert main.is_file(), f"{module} is started by name but {main} does not exist"
     assert main.name == "__main__.py" or '__name__ == "__main__"' in main.read_text()
+
+
+def test_every_package_of_ours_is_in_the_wheel() -> None:
+    """pyproject.toml lists packages by hand: one left out is missing from `pip install .`."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for package in OUR_PACKAGES
+             for init in (ROOT / package).rglob("__init__.py")}
+    assert found == listed
