@@ -96,34 +96,80 @@ def engine_grammar(spec: GrammarSpec) -> str:
     return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
 
 
-_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
-_SUBSCHEMA_KEYS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
-                   "unevaluatedItems")
-_SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LIST_KEYS = ("items", "prefixItems", "anyOf", "oneOf")
+# A node with any of these says what other keys may do, or is combined with another schema: closing
+# it (or a schema it is combined with) could forbid what the other part allows.
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+              "$ref", "dependentSchemas", "if")
+_SUBSCHEMA_KEYS = ("items", "additionalItems", "contains", "additionalProperties", "unevaluatedItems")
+_SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties")
+_DEFINITION_KEYS = ("$defs", "definitions")
+_COMBINED_KEYS = ("allOf", "dependentSchemas")  # their members are intersected with the node
 
 
 def close_objects(schema: dict) -> None:
-    """In place: every object schema that lists `properties` and says nothing of other keys gets
-    "additionalProperties": false, so the output holds only the properties the schema names (JSON
-    Schema would allow any others, and a small model fills them with invented keys). As vLLM's
-    default engine (xgrammar, strict mode) reads schemas. A schema keeps other keys open by
-    saying so ("additionalProperties": true or a schema, patternProperties, unevaluatedProperties);
-    schemas under allOf or beside allOf or $ref are left as they are, since closing one part of an
-    intersection would forbid the other parts' properties."""
+    """In place: every plain object schema that lists `properties` (and requires no other key)
+    gets "additionalProperties": false, so the output holds only the properties the schema names
+    (JSON Schema would allow any others, and a small model fills them with invented keys), as
+    vLLM's default engine (xgrammar, strict mode) reads schemas. A schema keeps other keys open by
+    saying so ("additionalProperties": true or a schema, patternProperties, unevaluatedProperties).
+    Whatever is combined with another schema is left as written, with all below it: allOf and
+    dependentSchemas members, anyOf / oneOf members beside the node's own properties, a node with
+    $ref beside other keywords and the definitions such $refs name (closing one part of an
+    intersection would forbid the other part's keys); not / if / then / else are not entered."""
+    combined_refs = _combined_refs(schema)
     stack: list[tuple[dict, bool]] = [(schema, True)]
     while stack:
         node, closable = stack.pop()
-        if closable and isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
+        properties = node.get("properties")
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if (closable and isinstance(properties, dict) and not any(key in node for key in _OPEN_KEYS)
+                and all(key in properties for key in required)):
             node["additionalProperties"] = False
-        children: list[tuple[object, bool]] = [(node.get(key), True) for key in _SUBSCHEMA_KEYS]
-        children += [(sub, True) for key in _SUBSCHEMA_MAP_KEYS if isinstance(node.get(key), dict)
-                     for sub in node[key].values()]
-        children += [(sub, True) for key in _SUBSCHEMA_LIST_KEYS if isinstance(node.get(key), list)
-                     for sub in node[key]]
-        if isinstance(node.get("allOf"), list):
-            children += [(sub, False) for sub in node["allOf"]]
-        stack.extend((child, ok) for child, ok in children if isinstance(child, dict))
+        stack.extend((child, closable and child_closable) for child, child_closable in _children(node)
+                     if isinstance(child, dict))
+        for key in _DEFINITION_KEYS:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, f"#/{key}/{name}" not in combined_refs)
+                             for name, sub in node[key].items() if isinstance(sub, dict))
+
+
+def _children(node: dict) -> list[tuple[object, bool]]:
+    """A node's subschemas (definitions aside) and whether each may be closed."""
+    beside_properties = isinstance(node.get("properties"), dict)
+    children: list[tuple[object, bool]] = [(node.get(key), True) for key in _SUBSCHEMA_KEYS]
+    children += [(sub, True) for key in _SUBSCHEMA_MAP_KEYS if isinstance(node.get(key), dict)
+                 for sub in node[key].values()]
+    if isinstance(node.get("items"), list):
+        children += [(sub, True) for sub in node["items"]]
+    if isinstance(node.get("prefixItems"), list):
+        children += [(sub, True) for sub in node["prefixItems"]]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            children += [(sub, not beside_properties) for sub in node[key]]
+    if isinstance(node.get("allOf"), list):
+        children += [(sub, False) for sub in node["allOf"]]
+    if isinstance(node.get("dependentSchemas"), dict):
+        children += [(sub, False) for sub in node["dependentSchemas"].values()]
+    return children
+
+
+def _combined_refs(schema: dict) -> set[str]:
+    """The $refs whose targets are combined with another schema: those in a part left open by
+    close_objects' rules (e.g. an allOf member) and those beside other keywords."""
+    refs: set[str] = set()
+    stack: list[tuple[object, bool]] = [(schema, True)]
+    while stack:
+        node, closable = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (not closable or any(key not in ("$ref", "description", "title")
+                                                          for key in node)):
+            refs.add(ref)
+        stack.extend((child, closable and child_closable) for child, child_closable in _children(node))
+        stack.extend((sub, True) for key in _DEFINITION_KEYS if isinstance(node.get(key), dict)
+                     for sub in node[key].values())
+    return refs
 
 
 def _escape_slashes(regex: str) -> str:

@@ -140,3 +140,33 @@ def test_an_object_takes_only_the_properties_it_names_unless_its_schema_opens_it
     else:
         with pytest.raises(GrammarError):
             grammar.replay(tokens)
+
+
+BASE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema, document", [
+    ({"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"},
+                                         {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     '{"a": 1, "b": 2}'),
+    ({"$defs": {"Base": BASE}, "$ref": "#/$defs/Base", "properties": {"b": {"type": "integer"}},
+      "required": ["a", "b"]}, '{"a": 1, "b": 2}'),
+    ({"properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]}, '{"kind": "k", "x": 1}'),
+    ({"properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a": 1, "b": 2}'),
+    ({"allOf": [{"properties": {"o": {"properties": {"x": {"type": "integer"}}}}},
+                {"properties": {"o": {"properties": {"y": {"type": "integer"}}}}}]}, '{"o": {"x": 1, "y": 2}}'),
+])
+def test_schemas_combined_with_others_are_not_closed_against_each_other(
+        table: GrammarTable, backend: tokenizers.Tokenizer, schema: dict, document: str) -> None:
+    grammar = table.start(GrammarSpec.json_schema(schema))
+    grammar.replay(_encode(backend, document))
+    assert grammar.is_accepting
+
+
+def test_a_definition_used_as_a_property_is_closed() -> None:
+    schema = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+              "type": "object", "properties": {"addr": {"$ref": "#/$defs/Addr"}}, "required": ["addr"]}
+    closed = json.loads(engine_grammar(GrammarSpec.json_schema(schema)))["grammars"][0]["json_schema"]
+    assert closed["$defs"]["Addr"]["additionalProperties"] is False and closed["additionalProperties"] is False
