@@ -12,7 +12,6 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 from frontend.choice import ChoiceDelta, ChoiceOutput
-from frontend.engine_client import EngineUnavailableError
 from frontend.generation import Generation
 from proto.messages import FinishReason
 
@@ -26,6 +25,7 @@ class GenerationBatch:
         self.request_id = request_id
         self.generations = generations
         self.created_s = generations[0].created_s
+        self._pumps: list[asyncio.Task] = []  # deltas() of several generations: one reader task each
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,14 +63,14 @@ class GenerationBatch:
 
     async def start(self) -> None:
         """Send every prompt; return once the scheduler has queued each or refused one (then the
-        others are aborted and `failed` says why). EngineUnavailableError aborts them all too."""
-        try:
-            await asyncio.gather(*(g.start() for g in self.generations))
-        except BaseException:
+        others are aborted and `failed` says why). An exception (EngineUnavailableError) aborts
+        them all and is raised once every start has ended, so nothing else still runs them."""
+        outcomes = await asyncio.gather(*(g.start() for g in self.generations), return_exceptions=True)
+        raised = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if raised is not None or self.failed is not None:
             self.abort()
-            raise
-        if self.failed is not None:
-            self.abort()
+        if raised is not None:
+            raise raised
 
     async def run(self) -> None:
         """Run every generation to its end; one that fails aborts the others."""
@@ -85,9 +85,9 @@ class GenerationBatch:
                 yield only, delta
             return
         queue: asyncio.Queue[tuple[Generation, ChoiceDelta | BaseException | None]] = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(g, queue)) for g in self.generations]
+        self._pumps = [asyncio.create_task(self._pump(g, queue)) for g in self.generations]
         try:
-            for _ in range(len(pumps)):
+            for _ in range(len(self._pumps)):
                 while (item := await queue.get())[1] is not None:
                     generation, delta = item
                     if isinstance(delta, BaseException):
@@ -96,22 +96,27 @@ class GenerationBatch:
                     if delta.finish_reason and generation.failure is not None:
                         self.abort()
         finally:
-            self.abort()
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
             await self.close()
 
     async def _pump(self, generation: Generation,
                     queue: asyncio.Queue[tuple[Generation, ChoiceDelta | BaseException | None]]) -> None:
+        """One generation's deltas into the queue; what it raises goes there too, for deltas() to
+        raise (which aborts the others)."""
         try:
             async for delta in generation.deltas():
                 await queue.put((generation, delta))
-        except EngineUnavailableError as exc:
+        except Exception as exc:  # not CancelledError: close() cancels the pumps
             await queue.put((generation, exc))
         finally:
             await queue.put((generation, None))
 
     async def close(self) -> None:
+        """The batch's one way to end: what still runs is aborted, the pumps (the only readers of
+        the generations' streams) are stopped first, then every generation is closed. Idempotent."""
+        self.abort()
+        pumps, self._pumps = self._pumps, []
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
         for generation in self.generations:
             await generation.close()

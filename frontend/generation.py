@@ -92,7 +92,7 @@ class Generation:
         """Free the scheduler's blocks; `deltas()` then ends every open choice with "abort"."""
         if not self.finished:
             self._abort_requested = True
-            self.error_message = message
+            self.error_message = self.error_message or message  # the first reason given stays
             self._abort_engine()
 
     async def start(self) -> None:

@@ -70,19 +70,36 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     prompts = _prompts(request.prompt, _or(request.n, DEFAULTS.n))
     jobs = []
     for index, prompt in enumerate(prompts):
-        try:
-            jobs.append(_completion_job(request, prompt, tokenizer, limits, logprobs, grammar))
+        try:  # what is wrong with one prompt of a batch says which
+            prompt_ids = completion_prompt_ids(prompt, tokenizer, limits)
+            room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
         except APIError as exc:
             if len(prompts) > 1:
                 exc.message = f"prompt {index}: {exc.message}"
             raise
+        jobs.append(_completion_job(request, prompt, prompt_ids, room, tokenizer, limits, logprobs, grammar))
     return jobs
 
 
-def _completion_job(request: CompletionRequest, prompt: Any, tokenizer: Tokenizer, limits: ModelLimits,
-                    logprobs: int, grammar: GrammarSpec | None) -> GenerationJob:
-    prompt_ids = completion_prompt_ids(prompt, tokenizer, limits)
-    room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
+def check_batch_fits(jobs: list[GenerationJob], max_num_seqs: int, max_num_waiting: int,
+                     max_waiting_tokens: int) -> None:
+    """A batch runs as one scheduler request per prompt, all queued at once: one the scheduler can
+    never hold at once would be refused (429) at every try, so it is a 400 naming the limits."""
+    if len(jobs) < 2:
+        return
+    num_sequences = sum(job.sampling_params.n for job in jobs)
+    if num_sequences > max_num_seqs + max_num_waiting:
+        raise bad_request(f"this batch of prompts asks for {num_sequences} sequences (prompts x n); this "
+                          f"server holds at most {max_num_seqs + max_num_waiting} at once (--max-num-seqs "
+                          f"{max_num_seqs} + --max-num-waiting {max_num_waiting})", "prompt")
+    num_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+    if num_tokens > max_waiting_tokens:
+        raise bad_request(f"this batch of prompts has {num_tokens} prompt tokens; this server queues at "
+                          f"most {max_waiting_tokens} at once (--max-waiting-tokens)", "prompt")
+
+
+def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[int], room: int, tokenizer: Tokenizer,
+                    limits: ModelLimits, logprobs: int, grammar: GrammarSpec | None) -> GenerationJob:
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}

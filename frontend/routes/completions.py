@@ -16,7 +16,7 @@ from frontend.protocol import CompletionRequest, parse_body
 from frontend.routes.serving import serve_job
 from frontend.state import ServerState, get_state
 from frontend.tokenizer import Tokenizer
-from frontend.validation import GenerationJob, completion_jobs
+from frontend.validation import GenerationJob, check_batch_fits, completion_jobs
 from proto.messages import FinishReason
 
 router = APIRouter()
@@ -83,4 +83,7 @@ async def create_completion(request: Request) -> Response:
 def _prepare(raw: bytes, state: ServerState) -> list[GenerationJob]:
     body = parse_body(raw, CompletionRequest)
     state.check_model(body.model)
-    return completion_jobs(body, state.tokenizer, state.limits, state.grammar_checker)
+    jobs = completion_jobs(body, state.tokenizer, state.limits, state.grammar_checker)
+    config = state.config
+    check_batch_fits(jobs, config.max_num_seqs, config.max_num_waiting, config.max_waiting_tokens)
+    return jobs

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
+from frontend.app import create_app
+from frontend.generation import Generation
 from proto.messages import ERROR_QUEUE_FULL
 
 pytestmark = pytest.mark.anyio
@@ -64,3 +69,37 @@ async def test_a_batch_of_one_is_answered_as_its_only_prompt(client, engine):
     body = (await client.post("/v1/completions", json={"prompt": ["The capital"], "n": 2})).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert len(engine.added) == 1 and engine.added[0].request_id == body["id"]
+
+
+async def test_a_prompt_whose_handling_raises_fails_the_batch_and_aborts_the_others(config, engine, tokenizer,
+                                                                                  monkeypatch):
+
+    consume = Generation._consume
+
+    def broken_for_the_second(self, delta):
+        if self.request_id.endswith("-1"):
+            raise RuntimeError("a bug in the output path")
+        return consume(self, delta)
+
+    monkeypatch.setattr(Generation, "_consume", broken_for_the_second)
+    engine.hang = True  # the first prompt would run on
+    transport = httpx.ASGITransport(app=create_app(config, engine, tokenizer), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://conveyor.test") as http:
+        response = await asyncio.wait_for(http.post("/v1/completions", json={"prompt": ["a", "b"]}), 10.0)
+    assert response.status_code == 500
+    assert engine.added[0].request_id in engine.aborted
+
+
+async def test_a_batch_the_server_can_never_hold_at_once_is_a_400_naming_the_limits(config, make_http):
+    async with make_http(config.with_updates(max_num_seqs=2, max_num_waiting=2)) as http:
+        response = await http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
+        assert response.status_code == 400
+        assert "6 sequences (prompts x n)" in response.json()["error"]["message"]
+        assert "--max-num-seqs 2 + --max-num-waiting 2" in response.json()["error"]["message"]
+        fits = await http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2})
+        assert fits.status_code == 200, fits.text
+
+
+async def test_a_request_level_error_in_a_batch_is_not_blamed_on_a_prompt(client):
+    response = await client.post("/v1/completions", json={"prompt": ["a", "b"], "stream_options": {}})
+    assert response.json()["error"]["message"] == "stream_options is only allowed with stream: true"
