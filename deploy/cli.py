@@ -164,7 +164,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info("serving model directory %s as %r (%s scheduling)", config.model,
              config.served_model_name, config.scheduling)
     stopping = {"flag": False}
-    stacks: list = []  # the running Stack, for a second signal to hurry
+    stacks: list[Stack] = []  # the running Stack, for a second signal to hurry
 
     def request_stop(signum: int, _frame: object) -> None:
         if stopping["flag"] and stacks:
@@ -175,9 +175,10 @@ def serve(args: argparse.Namespace) -> int:
         stopping["flag"] = True
 
     # SIGHUP (the terminal closed) drains as SIGTERM does, rather than killing the supervisor
-    # outright and leaving its children to die unanswered.
+    # outright and leaving its children to die unanswered; unless it is ignored (nohup).
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, request_stop)
+        if signal.getsignal(signum) is not signal.SIG_IGN or signum != signal.SIGHUP:
+            signal.signal(signum, request_stop)
     try:
         with Stack(config, should_stop=lambda: stopping["flag"]) as stack:
             stacks.append(stack)

@@ -172,6 +172,8 @@ class Stack(Replacements):
         failure is kept in self.failure, which makes stop() fail fast instead of draining."""
         while not should_stop():
             reported = self._reported_failure(poll_s) or self._follow_group()
+            if should_stop():  # a stop asked for meanwhile (and a second one's SIGTERMs): no replacing
+                break
             self._kill_unready_restarts()
             dead = self.dead_child()
             if dead is not None and dead.module in self._REPLACERS and not reported:

@@ -82,14 +82,16 @@ def health_status(base_url: str) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: its terminal closed
-def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: int) -> None:
+# SIGHUP: its terminal closed; under nohup (SIGHUP ignored) it serves on
+@pytest.mark.parametrize("signum, nohup", [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGHUP, True)])
+def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: int, nohup: bool) -> None:
     port = free_port()
     command = [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--port", str(port),
                "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1",
                "--max-num-seqs", "4", "--shutdown-timeout", "5"]
+    ignore_hangups = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+                              text=True, preexec_fn=ignore_hangups)
     try:
         deadline = time.monotonic() + 120
         while health_status(f"http://127.0.0.1:{port}") != 200:
@@ -102,6 +104,11 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: i
         children = children_of(server.pid)
         assert len(children) >= 3
         server.send_signal(signum)
+        if nohup:
+            time.sleep(1.0)
+            assert health_status(f"http://127.0.0.1:{port}") == 200  # the hangup is ignored, as nohup asks
+            signum = signal.SIGTERM
+            server.send_signal(signum)
         output, _ = server.communicate(timeout=60)
     finally:
         if server.poll() is None:
