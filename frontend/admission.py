@@ -1,7 +1,8 @@
-"""The HTTP edge: every answer counted, and requests refused before any work is spent on them.
+"""The HTTP edge's first answers: requests refused before any work is spent on them.
 
-The middlewares are pure ASGI, so streams pass through untouched. Order (outermost first):
-HttpMetricsMiddleware, CORS, the API key check, BodyLimitMiddleware, AdmissionMiddleware, then the app.
+Both middlewares are pure ASGI, so streams pass through untouched. Order (outermost first): the
+HTTP answer count (http_metrics.py), CORS, the API key check, BodyLimitMiddleware,
+AdmissionMiddleware, then the app.
 """
 
 from __future__ import annotations
@@ -39,40 +40,6 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
         finally:
             self._state.num_in_flight -= 1
-
-
-class HttpMetricsMiddleware:
-    """Counts every answer (conveyor:http_requests_total) by its route's path template, method and
-    status, refusals by the outer middlewares included; a path no route serves counts as "other"."""
-
-    def __init__(self, app: ASGIApp, state: ServerState, route_paths: frozenset[str]) -> None:
-        self.app = app
-        self._state = state
-        self._route_paths = route_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 0
-
-        async def send_counted(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_counted)
-        finally:
-            if status:  # else no answer started: the client left first
-                self._state.metrics.record_http(self._handler(scope), scope["method"], status)
-
-    def _handler(self, scope: Scope) -> str:
-        route = getattr(scope.get("route"), "path", None)  # set by the router once it matched
-        if route is None and scope["path"] in self._route_paths:  # refused before routing
-            route = scope["path"]
-        return route or "other"
 
 
 class BodyLimitMiddleware:

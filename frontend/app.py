@@ -13,10 +13,11 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware, HttpMetricsMiddleware
+from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError, install_error_handlers
 from frontend.grammar_check import BackgroundGrammarChecker, GrammarChecker
+from frontend.http_metrics import HttpMetricsMiddleware
 from frontend.metrics import FrontendMetrics
 from frontend.openapi import install_openapi
 from frontend.routes import chat, completions, misc
@@ -60,8 +61,9 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
         app.include_router(module.router)
     install_openapi(app)
     # The last added runs first: the HTTP answer count, CORS (a browser's preflight is answered
-    # before any check, and every answer, refusals too, carries its headers), the API key, the
-    # body size, admission.
+    # before any check, and every answer, refusals too, carries its headers; not the 500 of an
+    # unhandled error, which Starlette's outermost handler writes), the API key, the body size,
+    # admission.
     app.add_middleware(AdmissionMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, state=state, max_bytes=config.max_request_body_bytes)
     if config.api_key:

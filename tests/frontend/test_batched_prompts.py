@@ -86,8 +86,11 @@ async def test_a_prompt_whose_handling_raises_fails_the_batch_and_aborts_the_oth
     transport = httpx.ASGITransport(app=create_app(config, engine, tokenizer), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://conveyor.test") as http:
         response = await asyncio.wait_for(http.post("/v1/completions", json={"prompt": ["a", "b"]}), 10.0)
+        metrics = (await http.get("/metrics")).text
     assert response.status_code == 500
     assert engine.added[0].request_id in engine.aborted
+    assert ('conveyor:http_requests_total{handler="/v1/completions",method="POST",model_name="tiny",status="500"} 1.0'
+            in metrics)
 
 
 async def test_a_batch_the_server_can_never_hold_at_once_is_a_400_naming_the_limits(config, make_http):

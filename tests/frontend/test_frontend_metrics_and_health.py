@@ -195,6 +195,7 @@ async def test_every_http_answer_is_counted_by_route_method_and_status(config, m
         await http.post("/v1/completions", json={"prompt": "x"})  # no key: 401 before routing
         await http.post("/v1/completions", json={"prompt": "x", "n": 99}, headers=key)
         await http.get("/no/such/path")
+        await http.request("BREW", "/no/such/path")  # any token is a method to HTTP: not a label
         text = (await http.get("/metrics")).text
     found = samples(text)
     http_requests = {name: value for name, value in found.items() if name.startswith("conveyor:http_requests_total")}
@@ -204,7 +205,8 @@ async def test_every_http_answer_is_counted_by_route_method_and_status(config, m
         'conveyor:http_requests_total{handler="/v1/models/{model:path}"}{method="GET"}{status="404"}': 1.0,
         'conveyor:http_requests_total{handler="/v1/completions"}{method="POST"}{status="401"}': 1.0,
         'conveyor:http_requests_total{handler="/v1/completions"}{method="POST"}{status="400"}': 1.0,
-        'conveyor:http_requests_total{handler="other"}{method="GET"}{status="404"}': 1.0}
+        'conveyor:http_requests_total{handler="other"}{method="GET"}{status="404"}': 1.0,
+        'conveyor:http_requests_total{handler="other"}{method="other"}{status="404"}': 1.0}
     assert "process_resident_memory_bytes" in text  # the frontend's own memory, to alert on
 
 
