@@ -19,6 +19,10 @@ from proto.sampling import (
 )
 
 
+# A completions batch runs its prompts side by side; this bounds what one request may queue.
+MAX_BATCH_SEQUENCES = 256
+
+
 class _Strict(BaseModel):
     # strict: "0.5" is not a number and 1 is not a bool; unknown fields are ignored as OpenAI does.
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -117,12 +121,12 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     # Required in the schema; a missing one still gets validation.py's own message.
     model_config = ConfigDict(json_schema_extra={"required": ["prompt"]})
-    # Any: the allowed shapes (text, token ids, a batch of one) get one precise message in
+    # Any: the allowed shapes (text, token ids, a batch of either) get one precise message in
     # validation.py; the schema still names them, so clients and fuzzers see the real shapes.
     prompt: Any = Field(default=None, json_schema_extra={"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "integer"}},
-        {"type": "array", "items": {"type": "string"}, "maxItems": 1},
-        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "maxItems": 1}]})
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_BATCH_SEQUENCES},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "maxItems": MAX_BATCH_SEQUENCES}]})
     # 0 only with echo: the prompt scored (its logprobs), nothing generated.
     max_tokens: Count | None = _documented(minimum=0)
     echo: bool | None = False

@@ -20,7 +20,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
 from frontend.tool_parsers import HermesParser, ToolParser
 from frontend.validation import ModelLimits
-from proto.config import EngineConfig
+from proto.config import EngineConfig, free_seats
 
 NUM_PREPARE_THREADS = 2  # parsing, chat templates and tokenizing; the tokenizer lets go of the GIL
 
@@ -78,10 +78,7 @@ class ServerState:
             raise self._refused("max_num_waiting", f"too many requests in flight: the limit is "
                                 f"{self.max_in_flight} (max_num_seqs + max_num_waiting)")
         stats, config = self.engine.latest_stats, self.config
-        # Waiting sequences that free seats take at the next step are not queued for long (the
-        # scheduler's own rule, scheduler_proc.admission).
-        num_free_seats = 0 if stats is None or not stats.workers_serving else \
-            max(config.max_num_seqs - stats.num_running, 0)
+        num_free_seats = 0 if stats is None else free_seats(config, stats.num_running, stats.workers_serving)
         if stats is not None and stats.num_waiting >= config.max_num_waiting + num_free_seats:
             raise self._refused("max_num_waiting", f"the waiting queue is full: {stats.num_waiting} "
                                 f"sequences are waiting and max_num_waiting is {config.max_num_waiting} "

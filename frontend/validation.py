@@ -9,7 +9,7 @@ from typing import Any
 from frontend.errors import APIError, bad_request, from_validation_error
 from frontend.grammar_check import GrammarCheck
 from frontend.prompt_text import chat_prompt_ids, check_text_fits
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from frontend.protocol import MAX_BATCH_SEQUENCES, ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolChoice, parse_tool_choice, parse_tools, tool_choice_grammar
@@ -21,8 +21,6 @@ from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
-# A completions batch runs its prompts side by side; this bounds what one request may queue.
-MAX_BATCH_SEQUENCES = 256
 
 
 @dataclass(frozen=True)
@@ -106,6 +104,9 @@ def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[in
     # Scoring a prompt (OpenAI's and vLLM's echo with max_tokens 0): the engine computes it and
     # samples one token as always; the response leaves that token out.
     echo_only = bool(request.echo) and request.max_tokens == 0
+    if echo_only and request.min_tokens:
+        raise bad_request(f"min_tokens must be 0 when max_tokens is 0 (echo only scores the prompt), got "
+                          f"{request.min_tokens}", "min_tokens")
     max_tokens = 1 if echo_only else _or(request.max_tokens, default_max_tokens)
     job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar)
     return dataclasses.replace(job, echo_only=True) if echo_only else job

@@ -182,6 +182,16 @@ class EngineConfig:
         return cls(**raw)
 
 
+def free_seats(config: EngineConfig, num_running: int, workers_serving: bool = True) -> int:
+    """Seats the next step may give to waiting sequences: none while no worker group serves, and
+    under static scheduling none until the whole batch has ended. The scheduler's admission and
+    the frontend's door both count only the waiting sequences beyond these against
+    max_num_waiting, so a burst to an idle server fills its seats and then its queue."""
+    if not workers_serving or (config.scheduling == "static" and num_running):
+        return 0
+    return max(config.max_num_seqs - num_running, 0)
+
+
 def prompt_fits(num_prompt_tokens: int, max_model_len: int) -> bool:
     """Whether a prompt leaves room for at least one generated token: prompt and output share the
     context, so a prompt of L tokens fits only if L < max_model_len (vLLM's rule too). The frontend

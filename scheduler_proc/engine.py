@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto.config import EngineConfig
+from proto.config import EngineConfig, free_seats
 from proto.messages import (ALL_CHOICES, ERROR_NONE, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_QUEUED,
                             EVENT_SCHEDULED, AddRequest, FinishReason, SchedulerStats, StepOutputs,
                             StepPlan, StepResult)
@@ -101,7 +101,7 @@ class SchedulerEngine:
         (or may not queue). `seats_open`: whether free seats take waiting sequences at the next
         step (not while no worker group serves)."""
         request_id, params, now = message.request_id, message.sampling_params, time.time()
-        num_free_seats = max(self.config.max_num_seqs - len(self.queues.running), 0) if seats_open else 0
+        num_free_seats = free_seats(self.config, len(self.queues.running), seats_open)
         reason, error_code = rejection_reason(message, self.config, self.block_manager.num_blocks,
                                               len(self.queues.waiting) + self.queues.num_held,
                                               self.queues.num_waiting_tokens, num_free_seats)

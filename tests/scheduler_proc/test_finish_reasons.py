@@ -231,3 +231,16 @@ def test_shutdown_gives_every_unfinished_request_a_terminal_output() -> None:
     harness.engine.check_invariants()
     assert harness.log.finish_reasons == {"a": "error", "b": "error"}
     assert harness.engine.block_manager.num_free_blocks == 64
+
+
+def test_a_running_static_batch_opens_no_seat_to_the_queue() -> None:
+    harness = Harness(max_num_seqs=4, max_num_waiting=1, scheduling="static")
+    harness.add("a", 4, max_tokens=5)
+    harness.step()  # a static batch of one runs: its three empty seats wait for the batch's end
+    harness.add("b", 4, max_tokens=2)
+    harness.add("c", 4, max_tokens=2)
+    outputs = harness.engine.drain_outputs()
+    assert outputs.request_ids == ["c"] and "beyond 0 free seats" in outputs.error_messages[0]
+    harness.log.record(outputs)
+    harness.run()
+    assert harness.log.finish_reasons == {"a": "length", "b": "length", "c": "error"}
