@@ -79,6 +79,16 @@ def wait_for_add_request(scheduler) -> None:
         time.sleep(0.01)
 
 
+def hold_a_request(control: zmq.Socket, process: subprocess.Popen,
+                   fake_scheduler) -> tuple[threading.Thread, list[httpx.Response]]:
+    """Once the frontend serves: a completion the fake scheduler has queued and never answers."""
+    url = report(control, process).detail
+    wait_for_health(url)
+    held, results = post_in_background(url, {"prompt": [0, 1]})
+    wait_for_add_request(fake_scheduler)
+    return held, results
+
+
 def test_frontend_reports_ready_serves_and_drains_on_sigterm(tiny_model_dir, runtime_dir, control,
                                                              fake_scheduler):
     fake_scheduler.answer_delay_s = 1.5  # keeps one request in flight while we send SIGTERM
@@ -109,10 +119,7 @@ def test_requests_still_running_at_the_shutdown_timeout_are_aborted_with_an_answ
         tiny_model_dir, runtime_dir, control, fake_scheduler):
     process = start_frontend(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=0.5))
     try:
-        url = report(control, process).detail
-        wait_for_health(url)
-        held, results = post_in_background(url, {"prompt": [0, 1]})  # never answered
-        wait_for_add_request(fake_scheduler)
+        held, results = hold_a_request(control, process, fake_scheduler)
         process.send_signal(signal.SIGTERM)
         held.join(timeout=20)
         assert results[0].status_code == 503
@@ -138,10 +145,7 @@ def test_a_second_signal_aborts_what_is_in_flight_with_an_answer_and_stops_at_on
         tiny_model_dir, runtime_dir, control, fake_scheduler):
     process = start_frontend(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=60.0))
     try:
-        url = report(control, process).detail
-        wait_for_health(url)
-        held, results = post_in_background(url, {"prompt": [0, 1]})  # never answered
-        wait_for_add_request(fake_scheduler)
+        held, results = hold_a_request(control, process, fake_scheduler)
         process.send_signal(signal.SIGINT)
         time.sleep(0.3)
         assert held.is_alive()  # the first signal drains: it waits for the request
