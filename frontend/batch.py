@@ -26,6 +26,7 @@ class GenerationBatch:
         self.generations = generations
         self.created_s = generations[0].created_s
         self._pumps: list[asyncio.Task] = []  # deltas() of several generations: one reader task each
+        self._offsets = {g: i * g.job.sampling_params.n for i, g in enumerate(generations)}
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -35,8 +36,12 @@ class GenerationBatch:
     def num_cached_tokens(self) -> int:
         return sum(g.num_cached_tokens for g in self.generations)
 
-    def num_output_tokens(self, echo_only: bool) -> int:
-        return 0 if echo_only else sum(g.num_output_tokens for g in self.generations)
+    @property
+    def num_output_tokens(self) -> int:
+        """Completion tokens of every choice; none when only the prompts are echoed (scored)."""
+        if self.generations[0].job.echo_only:
+            return 0
+        return sum(g.num_output_tokens for g in self.generations)
 
     @property
     def failed(self) -> Generation | None:
@@ -48,7 +53,7 @@ class GenerationBatch:
 
     def offset(self, generation: Generation) -> int:
         """Its first choice's index in the response."""
-        return self.generations.index(generation) * generation.job.sampling_params.n
+        return self._offsets[generation]
 
     def choices(self) -> Iterator[tuple[Generation, ChoiceOutput, int]]:
         """Every choice with its generation and its index in the response, in that order."""

@@ -56,6 +56,7 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
     batch = GenerationBatch(request_id, [
         Generation(state.engine, state.tokenizer, state.metrics, engine_id, job, arrival_s,
                    state.config.eos_token_ids) for engine_id, job in zip(engine_ids, jobs)])
+    formats = dict(zip(batch.generations, fmts))
     state.active.update(batch.generations)
     handed_over = False
     try:
@@ -69,10 +70,9 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
             return _failure(state, failed).response()
         if jobs[0].stream:
             handed_over = True
-            return GenerationStream(_sse_events(state, request, batch, fmts), lambda: _end(state, batch))
+            return GenerationStream(_sse_events(state, request, batch, formats), lambda: _end(state, batch))
         body = _envelope(state, batch, fmts[0].object_name)
-        fmt_of = dict(zip(map(id, batch.generations), fmts))
-        body["choices"] = [_numbered(fmt_of[id(generation)].final_choice(generation, choice), index)
+        body["choices"] = [_numbered(formats[generation].final_choice(generation, choice), index)
                            for generation, choice, index in batch.choices()]
         body["usage"] = _usage(batch)
         return JSONResponse(body)
@@ -105,23 +105,22 @@ class GenerationStream(StreamingResponse):
 
 
 async def _sse_events(state: ServerState, request: Request, batch: GenerationBatch,
-                      fmts: list[ResponseFormat]) -> AsyncGenerator[str, None]:
+                      formats: dict[Generation, ResponseFormat]) -> AsyncGenerator[str, None]:
     include_usage = batch.generations[0].job.include_usage
-    envelope = _envelope(state, batch, fmts[0].chunk_object_name)
+    envelope = _envelope(state, batch, formats[batch.generations[0]].chunk_object_name)
     if include_usage:
         envelope["usage"] = None
-    fmt_of = dict(zip(map(id, batch.generations), fmts))
 
     def chunk(choice: dict[str, Any], offset: int) -> str:
         return _sse({**envelope, "choices": [_numbered(choice, offset + choice["index"])]})
 
     async with abort_on_disconnect(request.receive, batch.abort):
-        for generation, fmt in zip(batch.generations, fmts):
+        for generation, fmt in formats.items():
             for first in fmt.first_choices(generation):
                 yield chunk(first, batch.offset(generation))
         try:
             async for generation, delta in batch.deltas():
-                fmt, offset = fmt_of[id(generation)], batch.offset(generation)
+                fmt, offset = formats[generation], batch.offset(generation)
                 for choice in fmt.chunk_choices(generation, delta):
                     yield chunk(choice, offset)
                 if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -173,7 +172,7 @@ def _usage(batch: GenerationBatch) -> dict[str, Any]:
     """Completion tokens of all choices (none when only the prompt is echoed); each prompt (and
     its cache hits) counts once, however many choices it has."""
     num_prompt_tokens = batch.num_prompt_tokens
-    num_output_tokens = batch.num_output_tokens(batch.generations[0].job.echo_only)
+    num_output_tokens = batch.num_output_tokens
     return {"prompt_tokens": num_prompt_tokens,
             "completion_tokens": num_output_tokens,
             "total_tokens": num_prompt_tokens + num_output_tokens,
