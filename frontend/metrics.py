@@ -115,6 +115,12 @@ class FrontendMetrics:
                                         ("model_name", "reason"), registry=self.registry)
         for reason in REJECTION_REASONS:
             self.request_rejected.labels(model_name, reason)
+        resident = Gauge(PREFIX + "process_resident_memory_bytes",
+                         "Resident memory of the scheduler and of its node's worker ranks (summed), by "
+                         "process; the frontend's own is process_resident_memory_bytes.",
+                         ("model_name", "process"), registry=self.registry)
+        self.scheduler_rss = resident.labels(model_name, "scheduler")
+        self.workers_rss = resident.labels(model_name, "workers")
         self.http_requests = Counter(PREFIX + "http_requests_total", "HTTP answers by route, method and status.",
                                      ("model_name", "handler", "method", "status"), registry=self.registry)
         self.time_to_first_token = histogram("time_to_first_token_seconds",
@@ -174,6 +180,10 @@ class FrontendMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        if stats.scheduler_rss_bytes:  # 0: unknown (no procfs), or a message from before the first sample
+            self.scheduler_rss.set(stats.scheduler_rss_bytes)
+        if stats.workers_rss_bytes:
+            self.workers_rss.set(stats.workers_rss_bytes)
         for field_name, attribute in _SCHEDULER_TOTALS.items():
             total = getattr(stats, field_name)
             # A lower total is a message that does not carry it: never count backwards.

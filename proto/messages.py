@@ -196,6 +196,8 @@ class SchedulerStats:
     step_running_s: float = 0.0  # a heartbeat during a step: how long it has run so far (else 0)
     step_idle_s: float = 0.0  # ... and how long its ranks on the scheduler's node have used no CPU
     frontend_epoch: int = 0  # FrontendHello.epoch of the last hello it read (the scheduler sends -1 before any)
+    scheduler_rss_bytes: int = 0  # the scheduler's resident memory (0 = unknown), sampled once a second
+    workers_rss_bytes: int = 0  # ... and its node's worker ranks', summed
 
 
 @dataclass(frozen=True)

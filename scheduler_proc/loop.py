@@ -23,6 +23,7 @@ from scheduler_proc.admission import startup_capacity_error
 from scheduler_proc.engine import SchedulerEngine
 from scheduler_proc.faults import scheduler_fault
 from scheduler_proc.frontend_watch import FrontendWatch
+from scheduler_proc.process_memory import ProcessMemory
 from scheduler_proc.worker_group import POLL_SLICE_S, FrameReader, WorkerGroup, ranks_text, send_frame
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class SchedulerLoop:
         self._control: zmq.Socket | None = None  # set with the others by _open_sockets
         self._outputs: zmq.Socket | None = None
         self._workers = WorkerGroup(config, self._context, self._reader, self._should_exit)
+        self._memory = ProcessMemory(self._workers.local_pids)
         self._fatal_error = ""  # set when the loop cannot go on: it ends, the stack stops
         self._lost_before_stop = ""  # a step lost to a dead rank as the stack stopped
         self._workers_serving = False  # False until the group is ready, and while it is replaced
@@ -304,11 +306,12 @@ class SchedulerLoop:
     def _send_outputs(self, outputs: StepOutputs, wait: bool = True) -> None:
         """Deliver to the frontend; without `wait` (heartbeats) nothing waits for a slow reader."""
         deadline = time.monotonic() + (self.config.step_timeout_s if wait else 0.0)
-        if self.num_protocol_errors or self.num_worker_restarts or not self._workers_serving:
-            stats = dataclasses.replace(outputs.stats, num_protocol_errors_total=self.num_protocol_errors,
-                                        workers_serving=self._workers_serving,
-                                        num_worker_restarts_total=self.num_worker_restarts)
-            outputs = dataclasses.replace(outputs, stats=stats)
+        scheduler_rss_bytes, workers_rss_bytes = self._memory.sample()
+        stats = dataclasses.replace(outputs.stats, num_protocol_errors_total=self.num_protocol_errors,
+                                    workers_serving=self._workers_serving,
+                                    num_worker_restarts_total=self.num_worker_restarts,
+                                    scheduler_rss_bytes=scheduler_rss_bytes, workers_rss_bytes=workers_rss_bytes)
+        outputs = dataclasses.replace(outputs, stats=stats)
         if self._should_exit():
             outputs = dataclasses.replace(outputs, engine_stopping=True)
         # A dead frontend's outputs are not waited for: its requests are aborted next iteration.

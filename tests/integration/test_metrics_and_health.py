@@ -121,3 +121,21 @@ def test_health_is_503_while_the_scheduler_is_stopped_and_200_once_it_runs_again
         os.kill(scheduler.process.pid, signal.SIGCONT)
     wait_for(lambda: health() == 200, 20, "/health to recover once the scheduler runs again")
     assert complete(stack.url, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_scheduler_and_worker_memory_are_exported_beside_the_frontends(stack: Stack) -> None:
+    complete(stack.url, max_tokens=2)
+    resident: dict[str, float] = {}
+
+    def scraped_both() -> bool:
+        text = httpx.get(f"{stack.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "conveyor:process_resident_memory_bytes":
+                    resident[sample.labels["process"]] = sample.value
+                elif sample.name == "process_resident_memory_bytes":
+                    resident["frontend"] = sample.value
+        return len(resident) == 3 and all(resident.values())
+
+    wait_for(scraped_both, 10.0, "the three processes' memory in /metrics")
+    assert resident["workers"] > resident["scheduler"]  # the workers hold the weights and the KV cache
