@@ -33,6 +33,7 @@ def exported_series(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     from prometheus_client.parser import text_string_to_metric_families
 
     with Stack(tiny_config(tiny_model_dir), log_dir=tmp_path_factory.mktemp("logs")) as stack:
+        httpx.get(f"{stack.url}/health", timeout=10)  # an answer, so that the HTTP answer count has a series
         text = httpx.get(f"{stack.url}/metrics", timeout=10).text
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
