@@ -144,7 +144,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills,
         num_threads=args.num_threads,
         eos_token_ids=info.eos_token_ids, host=args.host, port=args.port,
-        api_key=args.api_key, allowed_origins=args.allowed_origins, ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
+        api_key=args.api_key, allowed_origins=args.allowed_origins,
+        ready_timeout_s=args.ready_timeout, step_timeout_s=args.step_timeout,
         stall_timeout_s=args.stall_timeout,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
@@ -177,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     # SIGHUP (the terminal closed) drains as SIGTERM does, rather than killing the supervisor
     # outright and leaving its children to die unanswered; unless it is ignored (nohup).
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if signal.getsignal(signum) is not signal.SIG_IGN or signum != signal.SIGHUP:
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, request_stop)
     try:
         with Stack(config, should_stop=lambda: stopping["flag"]) as stack:

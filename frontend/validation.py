@@ -65,6 +65,12 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
+    # Scoring a prompt (OpenAI's and vLLM's echo with max_tokens 0): the engine computes it and
+    # samples one token as always; the response leaves that token out.
+    echo_only = bool(request.echo) and request.max_tokens == 0
+    if echo_only and request.min_tokens:
+        raise bad_request(f"min_tokens must be 0 when max_tokens is 0 (echo only scores the prompt), got "
+                          f"{request.min_tokens}", "min_tokens")
     prompts = _prompts(request.prompt, _or(request.n, DEFAULTS.n))
     jobs = []
     for index, prompt in enumerate(prompts):
@@ -75,7 +81,8 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
             if len(prompts) > 1:
                 exc.message = f"prompt {index}: {exc.message}"
             raise
-        jobs.append(_completion_job(request, prompt, prompt_ids, room, tokenizer, limits, logprobs, grammar))
+        jobs.append(_completion_job(request, prompt, prompt_ids, room, tokenizer, limits, logprobs, grammar,
+                                    echo_only))
     return jobs
 
 
@@ -97,16 +104,10 @@ def check_batch_fits(jobs: list[GenerationJob], max_num_seqs: int, max_num_waiti
 
 
 def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[int], room: int, tokenizer: Tokenizer,
-                    limits: ModelLimits, logprobs: int, grammar: GrammarSpec | None) -> GenerationJob:
+                    limits: ModelLimits, logprobs: int, grammar: GrammarSpec | None, echo_only: bool) -> GenerationJob:
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
-    # Scoring a prompt (OpenAI's and vLLM's echo with max_tokens 0): the engine computes it and
-    # samples one token as always; the response leaves that token out.
-    echo_only = bool(request.echo) and request.max_tokens == 0
-    if echo_only and request.min_tokens:
-        raise bad_request(f"min_tokens must be 0 when max_tokens is 0 (echo only scores the prompt), got "
-                          f"{request.min_tokens}", "min_tokens")
     max_tokens = 1 if echo_only else _or(request.max_tokens, default_max_tokens)
     job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar)
     return dataclasses.replace(job, echo_only=True) if echo_only else job

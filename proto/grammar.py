@@ -103,7 +103,6 @@ _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedPropertie
 _SUBSCHEMA_KEYS = ("items", "additionalItems", "contains", "additionalProperties", "unevaluatedItems")
 _SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties")
 _DEFINITION_KEYS = ("$defs", "definitions")
-_COMBINED_KEYS = ("allOf", "dependentSchemas")  # their members are intersected with the node
 
 
 def close_objects(schema: dict) -> None:
