@@ -71,10 +71,12 @@ def check_devices(config: EngineConfig, gpus: list[str]) -> None:
                               "machine has none visible (no NVIDIA driver, or CUDA_VISIBLE_DEVICES "
                               "hides them); leave --devices out to run on the CPU", "devices")
     if gpus and max(wanted) >= len(gpus):
+        remedy = (f"name GPUs 0-{len(gpus) - 1} in --devices" if config.devices else
+                  "lower --tensor-parallel-size or spread the ranks over nodes with --nnodes")
         raise ValidationError(f"{config.workers_per_node} workers on this node need GPUs "
                               f"{','.join(map(str, wanted))}, but only {len(gpus)} "
-                              f"{'is' if len(gpus) == 1 else 'are'} visible ({','.join(gpus)})",
-                              "devices")
+                              f"{'is' if len(gpus) == 1 else 'are'} visible ({','.join(gpus)}): {remedy}, "
+                              "or run the workers on the CPU with CUDA_VISIBLE_DEVICES=''", "devices")
 
 
 def worker_env(config: EngineConfig, local_rank: int, gpus: list[str]) -> dict[str, str]:

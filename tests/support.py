@@ -60,6 +60,11 @@ def free_port_block(size: int) -> int:
     raise RuntimeError(f"no block of {size} free ports")
 
 
+def hides_gpus(ranks: int | None, cpu_workers: bool, gpus: list[str]) -> bool:
+    """Whether a test marked cpu_workers, or ranks(n) (None: unmarked), runs its workers on the CPU."""
+    return cpu_workers or (ranks is not None and len(gpus) < ranks)
+
+
 def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
     info = read_model_info(model_dir)
     base = dict(model=str(model_dir), served_model_name="tiny", dtype="float32",

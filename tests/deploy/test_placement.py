@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import hides_gpus
 
 from deploy.cli import add_serve_arguments, config_from_args, main
 from deploy.devices import check_devices, visible_gpus, worker_env
@@ -50,9 +51,11 @@ def test_each_worker_sees_only_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_more_devices_than_exist_are_refused_with_what_is_visible() -> None:
-    with pytest.raises(ValidationError, match="need GPUs 0,1,2,3, but only 2 are visible"):
+    with pytest.raises(ValidationError, match=r"need GPUs 0,1,2,3, but only 2 are visible \(0,1\): "
+                                              r"lower --tensor-parallel-size.*CUDA_VISIBLE_DEVICES=''"):
         check_devices(EngineConfig(tensor_parallel_size=4), ["0", "1"])
-    with pytest.raises(ValidationError, match="need GPUs 5, but only 2 are visible"):
+    with pytest.raises(ValidationError,
+                       match=r"need GPUs 5, but only 2 are visible \(0,1\): name GPUs 0-1 in --devices"):
         check_devices(EngineConfig(devices=(5,)), ["0", "1"])
     with pytest.raises(ValidationError, match="names GPUs, but this machine has none visible"):
         check_devices(EngineConfig(devices=(0,)), [])
@@ -101,3 +104,14 @@ def test_a_tensor_parallel_size_that_splits_kv_heads_unevenly_is_refused(tiny_mo
 def test_bad_device_lists_are_refused_by_the_parser(tiny_model_dir: Path) -> None:
     with pytest.raises(SystemExit):
         serve_args(tiny_model_dir, "--devices", "zero,one")
+
+
+def test_a_test_of_cpu_workers_or_of_more_ranks_than_gpus_hides_them_from_its_stack() -> None:
+    assert not hides_gpus(None, False, ["0"])  # unmarked: workers take the GPUs as users' would
+    assert hides_gpus(None, True, ["0", "1"])
+    assert hides_gpus(2, False, ["0"]) and not hides_gpus(2, False, ["0", "1"])
+
+
+@pytest.mark.ranks(4)
+def test_a_test_marked_with_more_ranks_than_visible_gpus_sees_none() -> None:
+    assert not visible_gpus() or len(visible_gpus()) >= 4

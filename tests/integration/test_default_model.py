@@ -18,6 +18,7 @@ MACHINE = cpu_isa(read_cpu_flags())
 CAPS = ["", *(level for level in CPU_ISAS[1:] if rank(level) <= rank(MACHINE.detected))]
 
 
+@pytest.mark.cpu_workers
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPS, ids=[cap or "uncapped" for cap in CAPS])
 def test_the_capital_of_france_is_paris_through_the_chat_endpoint(cap: str) -> None:

@@ -120,6 +120,7 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: i
 
 
 
+@pytest.mark.cpu_workers
 @pytest.mark.skipif(find_tcmalloc() is None, reason="no libtcmalloc on this machine")
 def test_conveyor_malloc_tcmalloc_is_preloaded_into_the_cpu_workers_only(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

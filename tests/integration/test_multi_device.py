@@ -69,6 +69,7 @@ class HealthProbe(threading.Thread):
             time.sleep(0.01)
 
 
+@pytest.mark.ranks(2)
 def test_two_tensor_parallel_ranks_serve_the_greedy_text_of_one(
         tiny_model_dir: Path, hf_texts: list[str], tmp_path: Path) -> None:
     with Stack(tiny_config(tiny_model_dir, tensor_parallel_size=2), log_dir=tmp_path) as stack:
@@ -76,6 +77,7 @@ def test_two_tensor_parallel_ranks_serve_the_greedy_text_of_one(
         assert greedy_texts(stack.url) == hf_texts  # HF's text is what one rank serves
 
 
+@pytest.mark.ranks(2)
 def test_killing_one_rank_replaces_the_group_naming_it_and_health_is_503_until_it_serves(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     with Stack(tiny_config(tiny_model_dir, tensor_parallel_size=2), log_dir=tmp_path) as stack:
@@ -105,6 +107,7 @@ def test_killing_one_rank_replaces_the_group_naming_it_and_health_is_503_until_i
     assert not any(process_alive(pid) for pid in old) and not set(new) & set(old)
 
 
+@pytest.mark.ranks(2)
 def test_a_rank_that_does_not_answer_a_step_is_killed_and_replaced_naming_it(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     # Longer than the frontend's 5 s alive timeout: /health turns 503 while the step hangs.
@@ -134,6 +137,7 @@ def two_node_argv(model_dir: Path, master_port: int, *extra: str) -> list[str]:
             "--master-port", str(master_port), "--shutdown-timeout", "5", "--log-level", "warning", *extra]
 
 
+@pytest.mark.cpu_workers
 def test_two_supervisors_on_loopback_serve_as_two_nodes_and_peers_without_the_key_get_nothing_through(
         tiny_model_dir: Path, hf_texts: list[str], tmp_path: Path) -> None:
     keys_dir = tmp_path / "keys"
@@ -177,6 +181,7 @@ def test_two_supervisors_on_loopback_serve_as_two_nodes_and_peers_without_the_ke
     assert not any(process_alive(pid) for pid in children)
 
 
+@pytest.mark.cpu_workers
 def test_two_nodes_without_keys_refuse_to_start_naming_the_flags(tiny_model_dir: Path) -> None:
     result = subprocess.run(two_node_argv(tiny_model_dir, free_port_block(5), "--node-rank", "1"),
                             cwd=ROOT, capture_output=True, text=True, timeout=60)

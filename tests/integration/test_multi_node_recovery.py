@@ -19,6 +19,8 @@ from integration.test_worker_recovery import run_burst
 
 from deploy.launcher import Stack
 
+pytestmark = pytest.mark.cpu_workers  # two nodes on one machine would share its first GPU
+
 
 @contextmanager
 def two_nodes(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[Stack, Stack]]:

@@ -101,6 +101,7 @@ def test_health_models_and_version_answer(stack: Stack) -> None:
 ISA_CAPS = [level for level in CPU_ISAS if rank(level) <= rank(cpu_isa(read_cpu_flags()).detected)]
 
 
+@pytest.mark.cpu_workers
 @pytest.mark.parametrize("cap", ISA_CAPS)
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_a_stack_serves_under_every_isa_cap_this_cpu_allows(

@@ -52,6 +52,7 @@ def test_eight_streams_finish_with_undisturbed_text_when_a_worker_dies_hangs_or_
         assert httpx.get(f"{stack.url}/health", timeout=5).status_code == 200
 
 
+@pytest.mark.ranks(2)
 def test_two_faults_in_a_row_and_a_tensor_parallel_rank_are_recovered_too(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         undisturbed: list[tuple[str, str]]) -> None:
@@ -62,6 +63,7 @@ def test_two_faults_in_a_row_and_a_tensor_parallel_rank_are_recovered_too(
         assert metric_value(stack.url, "conveyor:process_restarts_total", process="worker") == 2
 
 
+@pytest.mark.ranks(2)
 def test_a_tensor_parallel_rank_that_raises_is_named_not_the_rank_its_collective_then_timed_out(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         undisturbed: list[tuple[str, str]]) -> None:

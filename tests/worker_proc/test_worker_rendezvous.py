@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import free_port
 
 from proto.config import EngineConfig
 
+pytestmark = pytest.mark.cpu_workers  # gloo's group over CPU tensors, as on a CPU node
 ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = """
 import sys, torch

@@ -85,10 +85,12 @@ def assert_ranks_match_single(model_dir: Path, runtime_dir: Path) -> None:
     assert len(other.sampled_token_ids) == 0 and len(other.logprobs.rows) == 0
 
 
+@pytest.mark.cpu_workers  # both ranks of this test would take the same GPU
 def test_two_ranks_reproduce_the_single_rank_forward(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert_ranks_match_single(tiny_model_dir, tmp_path)
 
 
+@pytest.mark.cpu_workers  # both ranks of this test would take the same GPU
 def test_kv_heads_are_replicated_when_fewer_than_ranks(tmp_path: Path) -> None:
     model_dir = build_tiny_model(tmp_path / "one-kv-head", num_key_value_heads=1)
     assert_ranks_match_single(model_dir, tmp_path)
