@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
 # A queue full now has room within about a step or two; clients (OpenAI's among them) wait this long.
 RETRY_AFTER_S = 1
+# A 503's Retry-After: a replaced scheduler or worker group serves again within a few seconds
+# (docs/benchmarks.md "Worker recovery time": 2-6 s); a draining server's successor, if any, likewise.
+UNAVAILABLE_RETRY_AFTER_S = 5
 # The scheduler's refusal codes (proto ERROR_CODES): a full queue -> the limit that refused (429),
 # and a request that can never run as asked (400). A refused request never ran: it is not counted
 # as a finished request (a 429 counts in request_rejected_total; a 400, like the frontend's own
@@ -58,6 +61,13 @@ def too_many_requests(message: str, code: str = "queue_full") -> APIError:
     """429 with OpenAI's rate-limit body and a Retry-After, which OpenAI's clients honour."""
     return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limit_error", None, code,
                     {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def unavailable(message: str, code: str | None = None) -> APIError:
+    """503 with a Retry-After: the server cannot run requests now (draining, or a process of it
+    being replaced); OpenAI's clients retry a 503 and wait as long as Retry-After says."""
+    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, code,
+                    {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
 
 
 def from_validation_error(exc: ValidationError) -> APIError:

@@ -13,7 +13,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from frontend.engine_client import EngineClient
-from frontend.errors import APIError, too_many_requests
+from frontend.errors import APIError, too_many_requests, unavailable
 from frontend.generation import Generation
 from frontend.grammar_check import GrammarCheck
 from frontend.metrics import FrontendMetrics
@@ -61,13 +61,11 @@ class ServerState:
         """503 while draining or without a live scheduler."""
         if self.draining:
             self.metrics.record_rejection("draining")
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down",
-                           "server_error", None, "draining")
+            raise unavailable("the server is shutting down", "draining")
         if not self.engine.is_alive():
             self.metrics.record_rejection("engine_unavailable")
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
-                           "the engine is not available (no recent message from the scheduler)",
-                           "server_error", None, "engine_unavailable")
+            raise unavailable("the engine is not available (no recent message from the scheduler)",
+                              "engine_unavailable")
 
     def check_admission(self) -> None:
         """What can be known before a request's body is read: 503 (check_serving), or 429 when

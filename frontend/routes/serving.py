@@ -16,7 +16,7 @@ from frontend.batch import GenerationBatch
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.engine_client import EngineUnavailableError
 from frontend.errors import (INVALID_REQUEST_ERROR_CODE, QUEUE_LIMIT_OF_ERROR_CODE, APIError, bad_request,
-                             too_many_requests)
+                             too_many_requests, unavailable)
 from frontend.generation import Generation, abort_on_disconnect
 from frontend.state import ServerState
 from frontend.validation import GenerationJob
@@ -142,7 +142,7 @@ def _numbered(choice: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def _unavailable(exc: EngineUnavailableError) -> APIError:
-    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error")
+    return unavailable(str(exc))
 
 
 def _failure(state: ServerState, generation: Generation) -> APIError:
@@ -153,7 +153,7 @@ def _failure(state: ServerState, generation: Generation) -> APIError:
     assert failed is not None, "only a request with a failed choice has a failure"
     message = generation.error_message or failed.error_message or "the request was aborted"
     if failed.finish_reason is FinishReason.ABORT:
-        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, "server_error", None, "aborted")
+        return unavailable(message, "aborted")
     limit = QUEUE_LIMIT_OF_ERROR_CODE.get(failed.error_code)  # the scheduler said so, by code
     if limit is not None:
         state.metrics.record_rejection(limit)

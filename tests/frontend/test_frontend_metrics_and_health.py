@@ -225,6 +225,9 @@ async def test_health_follows_scheduler_heartbeats(config, tokenizer):
         await asyncio.sleep(1.1)
         response = await http.get("/health")  # heartbeats stopped: hung or dead
         assert (response.status_code, response.json()["status"]) == (503, "engine_unavailable")
+        refused = await http.post("/v1/completions", json={"prompt": "x"})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "engine_unavailable")
+        assert refused.headers["retry-after"] == "5"
         engine.handle_frame(codec.encode(dataclasses.replace(heartbeat(), step_id=3)))
         assert (await http.get("/health")).status_code == 200
         # Heartbeats during a step say how long it has run and how long its ranks have computed

@@ -104,7 +104,9 @@ def test_frontend_reports_ready_serves_and_drains_on_sigterm(tiny_model_dir, run
         time.sleep(0.3)
         health = httpx.get(f"{url}/health")
         assert (health.status_code, health.json()["status"]) == (503, "draining")
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 503
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "draining")
+        assert refused.headers["retry-after"] == "5"  # OpenAI's clients retry after that long
         in_flight.join(timeout=20)
         assert results[0].status_code == 200, results[0].text
         assert results[0].json()["usage"]["completion_tokens"] == 2
@@ -122,7 +124,7 @@ def test_requests_still_running_at_the_shutdown_timeout_are_aborted_with_an_answ
         held, results = hold_a_request(control, process, fake_scheduler)
         process.send_signal(signal.SIGTERM)
         held.join(timeout=20)
-        assert results[0].status_code == 503
+        assert (results[0].status_code, results[0].headers["retry-after"]) == (503, "5")
         assert "shutting down" in results[0].json()["error"]["message"]
         assert process.wait(timeout=15) == 0
         request_id = fake_scheduler.received[0].request_id
