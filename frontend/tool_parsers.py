@@ -109,10 +109,15 @@ class ForcedCallsStream(ToolCallStream):
 
 
 def output_stream(choice: ToolChoice, parser: ToolParser) -> ToolCallStream | None:
-    """The reader of one chat choice's output: None when it is plain content (tool_choice none)."""
-    if choice.mode in ("required", "named"):
-        return ForcedCallsStream(choice)
-    return parser.stream() if choice.mode == "auto" else None
+    """The reader of one chat choice's output: None when it is plain content (tool_choice none).
+    Without parallel calls it keeps the output's first call and drops the others, as OpenAI and
+    vLLM do: in `auto` nothing in the output stops a model from writing several."""
+    if choice.mode == "none":
+        return None
+    stream = ForcedCallsStream(choice) if choice.mode in ("required", "named") else parser.stream()
+    if not choice.parallel:
+        stream.max_calls = 1
+    return stream
 
 
 def read_output(choice: ToolChoice, parser: ToolParser, text: str) -> ParsedOutput:

@@ -32,6 +32,7 @@ class ToolCallStream:
 
     def __init__(self) -> None:
         self.num_calls = 0
+        self.max_calls: int | None = None  # calls past it are dropped (parallel_tool_calls: false)
         self._content_started = False
         self._blank = ""  # whitespace held back
 
@@ -49,6 +50,8 @@ class ToolCallStream:
         raise NotImplementedError
 
     def _call_deltas(self, call: dict[str, Any]) -> list[Delta]:
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return []
         index, function = self.num_calls, call["function"]
         self.num_calls += 1
         head = {"index": index, "id": call["id"], "type": "function",

@@ -36,6 +36,7 @@ class Tool:
 class ToolChoice:
     mode: str  # "none" | "auto" | "required" | "named"
     name: str = ""  # the function, when mode is "named"
+    parallel: bool = True  # parallel_tool_calls: false -> one call at most, whatever the mode
 
 
 def parse_tools(tools: list[dict[str, Any]] | None, checker: GrammarCheck | None) -> list[Tool]:
@@ -101,8 +102,7 @@ def parse_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[Tool
     return ToolChoice("named", name)
 
 
-def tool_choice_grammar(choice: ToolChoice, tools: list[Tool], parallel_tool_calls: bool = True
-                        ) -> GrammarSpec | None:
+def tool_choice_grammar(choice: ToolChoice, tools: list[Tool]) -> GrammarSpec | None:
     """The grammar that forces a call for `required` and named choices; None for none and auto."""
     if choice.mode == "named":
         return GrammarSpec.json_schema(next(t for t in tools if t.name == choice.name).parameters)
@@ -110,7 +110,7 @@ def tool_choice_grammar(choice: ToolChoice, tools: list[Tool], parallel_tool_cal
         return None
     calls = {"type": "array", "minItems": 1,
              "items": {"anyOf": [_named_call_schema(tool) for tool in tools]}}
-    if not parallel_tool_calls:
+    if not choice.parallel:
         calls["maxItems"] = 1
     return GrammarSpec.json_schema(calls)
 

@@ -122,8 +122,9 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     top_logprobs = _check_num_logprobs(request.top_logprobs, "top_logprobs")
     tools = parse_tools(request.tools, checker)
-    tool_choice = parse_tool_choice(request.tool_choice, tools)
-    forced = tool_choice_grammar(tool_choice, tools, request.parallel_tool_calls is not False)
+    tool_choice = dataclasses.replace(parse_tool_choice(request.tool_choice, tools),
+                                      parallel=request.parallel_tool_calls is not False)
+    forced = tool_choice_grammar(tool_choice, tools)
     if forced is not None:
         if grammar is not None:
             raise bad_request(f"tool_choice {tool_choice.mode!r} forces a tool call, which is itself "

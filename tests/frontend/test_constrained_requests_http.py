@@ -186,6 +186,23 @@ async def test_auto_tool_choice_reads_hermes_calls_out_of_the_text(client, engin
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
 
 
+@pytest.mark.parametrize("parallel, calls", [(None, ["Paris", "London"]), (False, ["Paris"])])
+async def test_without_parallel_tool_calls_auto_keeps_the_first_call_streamed_or_not(
+        client, engine, tokenizer, sse, parallel, calls):
+    # Nothing in an auto output keeps a model from writing two calls; OpenAI and vLLM return one.
+    _reply(engine, tokenizer, 'Both.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                              '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": '
+                              '"London"}}</tool_call>')
+    fields = {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": parallel}
+    choice = (await _chat(client, **fields))["choices"][0]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in choice["message"]["tool_calls"]] == calls
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("Both.", "tool_calls")
+    deltas, finish_reasons = await _streamed_choice(client, sse, **fields)
+    content, streamed = _reassemble(deltas)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in streamed] == calls
+    assert (content, finish_reasons) == ("Both.", ["tool_calls"])
+
+
 async def test_auto_without_a_call_and_tool_choice_none_are_plain_content(client, engine, tokenizer):
     text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     _reply(engine, tokenizer, text)

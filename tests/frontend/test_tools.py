@@ -124,7 +124,7 @@ def test_required_choice_output_is_a_list_of_calls_to_known_tools(tokenizer: Tok
 
 def test_one_call_at_most_without_parallel_tool_calls(tokenizer: Tokenizer) -> None:
     tools = parse_tools([TIME], None)
-    spec = tool_choice_grammar(ToolChoice("required"), tools, parallel_tool_calls=False)
+    spec = tool_choice_grammar(ToolChoice("required", parallel=False), tools)
     one = '[{"name": "get_time", "parameters": {}}]'
     assert _accepts(tokenizer, spec, one)
     assert not _accepts(tokenizer, spec, one[:-1] + ', {"name": "get_time", "parameters": {}}]')
