@@ -37,12 +37,15 @@ class ChoiceOutput:
 
     def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int],
                  stop: list[str], min_tokens: int, wants_logprobs: bool,
-                 stop_token_ids: frozenset[int] = frozenset(), include_stop_str: bool = False) -> None:
+                 stop_token_ids: frozenset[int] = frozenset(), include_stop_str: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         """`stop_token_ids`: those whose text is left out when they end the choice;
-        `include_stop_str`: a matched stop string stays in the text."""
+        `include_stop_str`: a matched stop string stays in the text; `skip_special_tokens`
+        False: special tokens' text is part of it."""
         self.index = index
         self._stop_token_ids = stop_token_ids
-        self.output = OutputText(tokenizer, prompt_token_ids, stop, min_tokens, include_stop_str)
+        self.output = OutputText(tokenizer, prompt_token_ids, stop, min_tokens, include_stop_str,
+                                 skip_special_tokens)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.wants_logprobs = wants_logprobs
         self.num_tokens = 0  # output tokens consumed (usage, metrics)

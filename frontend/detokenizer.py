@@ -18,8 +18,9 @@ class IncrementalDetokenizer:
     two decodes. `_prefix_text` caches the context's decode while it stays the same.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read_offset = len(self._token_ids)
         self._prefix_text: str | None = None
@@ -29,9 +30,9 @@ class IncrementalDetokenizer:
         unless `final` (the request has ended): then everything, replacement characters included."""
         self._token_ids.extend(token_ids)
         if self._prefix_text is None:
-            self._prefix_text = self._tokenizer.decode(self._token_ids[:self._read_offset])
+            self._prefix_text = self._tokenizer.decode(self._token_ids[:self._read_offset], self._skip_special_tokens)
         prefix_len = len(self._prefix_text)
-        full_text = self._tokenizer.decode(self._token_ids)
+        full_text = self._tokenizer.decode(self._token_ids, self._skip_special_tokens)
         # A byte-level token can end inside a multi-byte character; decode shows U+FFFD there.
         if not final and (len(full_text) <= prefix_len or full_text.endswith(REPLACEMENT_CHAR)):
             return ""
@@ -53,8 +54,9 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: list[str] | None = None, min_tokens: int = 0, include_stop: bool = False) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+                 stop: list[str] | None = None, min_tokens: int = 0, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = [s for s in (stop or []) if s]
         self._min_tokens = min_tokens
         self._include_stop = include_stop  # a matched stop string ends the text rather than being cut

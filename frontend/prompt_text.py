@@ -16,9 +16,10 @@ from proto.config import prompt_fits
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, rendering: ChatRendering,
-                    max_model_len: int, tools: Sequence[Tool] = ()) -> list[int]:
+                    max_model_len: int | None, tools: Sequence[Tool] = ()) -> list[int]:
     """The rendered conversation's token ids; 400 at once when its text alone is certainly longer
-    than `max_model_len` tokens (see `check_text_fits`). Tool calls and tool results in the
+    than `max_model_len` tokens (see `check_text_fits`; None: the prompt is truncated after, so
+    only the request body's size bounds it). Tool calls and tool results in the
     history, and `tools`, are rendered as frontend/tool_prompt.py says; `rendering` says whether
     the prompt opens the assistant's turn or continues the final message, and passes the
     template's extra variables."""
@@ -33,7 +34,8 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, rendering
         raise bad_request(str(exc), "messages") from exc
     if rendering.continue_final_message:
         text = _ending_in_final_message(text, template_messages[-1]["content"])
-    check_text_fits(text, tokenizer, max_model_len, "messages")
+    if max_model_len is not None:
+        check_text_fits(text, tokenizer, max_model_len, "messages")
     # The template already writes bos and friends, so encoding must not add them again.
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -39,6 +39,7 @@ Count = Annotated[int, BeforeValidator(_whole_float_as_int)]  # an integer field
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far as well
 
 
 class ResponseFormat(_Strict):
@@ -116,6 +117,18 @@ class SamplingFields(_Strict):
     repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
                                                    items={"type": "integer", "minimum": 0})
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output text
+    # The prompt's last k tokens only (-1: max_model_len of them), before the context check.
+    truncate_prompt_tokens: Count | None = _documented(minimum=-1)
+    # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
+    # it (validation.UNSUPPORTED_FIELDS) rather than output that silently ignores it.
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    logits_processors: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -168,6 +181,7 @@ class TokenizeRequest(ChatRendering):
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # with messages: rendered as the chat endpoint renders them
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM: each token's vocabulary string too (token_strs)
 
 
 class DetokenizeRequest(_Strict):

@@ -83,6 +83,10 @@ class Tokenizer:
         # The template already writes bos and friends, so encoding must not add them again.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's own spelling of the token (e.g. "Ġthe" in a byte-level BPE)."""
+        return self._backend.id_to_token(token_id) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, even when they are only part of a UTF-8 character."""
         found = self._token_bytes.get(token_id)

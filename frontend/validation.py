@@ -21,6 +21,17 @@ from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
+# vLLM request fields conveyor does not implement: the values that ask nothing of the server, and
+# what to use instead, if anything. Any other value is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "bad_words": ((None, []), "logit_bias can ban single tokens"),
+    "allowed_token_ids": ((None,), "structured_outputs.choice or a grammar can restrict the output"),
+    "use_beam_search": ((None, False), ""),
+    "prompt_logprobs": ((None,), "/v1/completions with echo and logprobs scores the prompt"),
+    "return_tokens_as_token_ids": ((None, False), ""),
+    "spaces_between_special_tokens": ((None, True), ""),
+    "logits_processors": ((None, []), ""),
+}
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,8 @@ class GenerationJob:
     stop: list[str]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream: every chunk carries the usage so far (vLLM's stream option)
+    skip_special_tokens: bool = True  # False: special tokens' text is part of the output text
     include_stop_str: bool = False  # the stop string or stop token that ended a choice stays in its text
     echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated
@@ -75,7 +88,11 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     jobs = []
     for index, prompt in enumerate(prompts):
         try:  # what is wrong with one prompt of a batch says which
-            prompt_ids = completion_prompt_ids(prompt, tokenizer, limits)
+            prompt_ids = completion_prompt_ids(prompt, tokenizer, limits,
+                                               truncating=request.truncate_prompt_tokens is not None)
+            kept = _truncated(prompt_ids, request.truncate_prompt_tokens, limits)
+            if len(kept) < len(prompt_ids):
+                prompt = prompt_ids = kept  # echo shows what the model was given
             room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
         except APIError as exc:
             if len(prompts) > 1:
@@ -133,7 +150,10 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
         if checker is not None:
             checker.check(forced, "tool_choice")
         grammar = forced
-    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, limits.max_model_len, tools)
+    truncating = request.truncate_prompt_tokens is not None
+    prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, None if truncating else limits.max_model_len,
+                                 tools)
+    prompt_ids = _truncated(prompt_ids, request.truncate_prompt_tokens, limits)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
@@ -155,15 +175,19 @@ def _prompts(prompt: Any, n: int) -> list[Any]:
     return prompt
 
 
-def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
-    """A string or a list of token ids (one prompt of a batch, `_prompts`).
-    A prompt too long for the model is refused before its tokens are made or checked one by one."""
+def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits,
+                          truncating: bool = False) -> list[int]:
+    """A string or a list of token ids (one prompt of a batch, `_prompts`). A prompt too long for
+    the model is refused before its tokens are made or checked one by one, unless it is to be
+    truncated (then only the request body's size bounds it)."""
     if isinstance(prompt, str):
-        check_text_fits(prompt, tokenizer, limits.max_model_len, "prompt")
+        if not truncating:
+            check_text_fits(prompt, tokenizer, limits.max_model_len, "prompt")
         token_ids = tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         token_ids = prompt
-        _check_prompt_fits(token_ids, None, limits, "prompt")
+        if not truncating:
+            _check_prompt_fits(token_ids, None, limits, "prompt")
         check_token_ids(token_ids, limits.vocab_size, "prompt")
     elif prompt is None:
         raise bad_request("prompt is required", "prompt")
@@ -177,6 +201,9 @@ def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits
 def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> GrammarSpec | None:
     """n, best_of and the output constraint (returned, compile-checked by `checker`): what the
     request asks the server to return."""
+    for name, (harmless, instead) in UNSUPPORTED_FIELDS.items():
+        if getattr(request, name) not in harmless:
+            raise bad_request(f"{name} is not supported by this server{f': {instead}' if instead else ''}", name)
     constraint = request_grammar(request)  # a malformed one gets its own 400 here
     if constraint is not None and checker is not None:
         checker.check(*constraint)
@@ -205,6 +232,18 @@ def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
     return tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
+def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len of them)."""
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = limits.max_model_len
+    if not 1 <= keep <= limits.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
+                          f"({limits.max_model_len}), got {keep}", "truncate_prompt_tokens")
+    return prompt_ids[-keep:]
+
+
 def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: ModelLimits,
                        prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
     """Return the room left for output; 400 (saying both numbers) when the prompt does not fit."""
@@ -231,6 +270,8 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         stop=_stop_strings(request.stop),
         stream=bool(request.stream),
         include_usage=bool(request.stream and stream_options and stream_options.include_usage),
+        continuous_usage=bool(request.stream and stream_options and stream_options.continuous_usage_stats),
+        skip_special_tokens=request.skip_special_tokens,
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,
         grammar=grammar,

@@ -90,7 +90,10 @@ def _tokenize(body: TokenizeRequest, state: ServerState) -> dict:
     else:
         check_text_fits(body.prompt, state.tokenizer, max_model_len, "prompt")
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+    response = {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+    if body.return_token_strs:
+        response["token_strs"] = [state.tokenizer.token_piece(token) for token in tokens]
+    return response
 
 
 @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))

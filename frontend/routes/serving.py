@@ -111,8 +111,11 @@ async def _sse_events(state: ServerState, request: Request, batch: GenerationBat
     if include_usage:
         envelope["usage"] = None
 
+    continuous_usage = batch.generations[0].job.continuous_usage
+
     def chunk(choice: dict[str, Any], offset: int) -> str:
-        return _sse({**envelope, "choices": [_numbered(choice, offset + choice["index"])]})
+        usage = {"usage": _usage(batch)} if continuous_usage else {}  # vLLM's usage so far
+        return _sse({**envelope, "choices": [_numbered(choice, offset + choice["index"])], **usage})
 
     async with abort_on_disconnect(request.receive, batch.abort):
         for generation, fmt in formats.items():

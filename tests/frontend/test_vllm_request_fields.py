@@ -1,0 +1,83 @@
+"""vLLM's request extensions: those conveyor implements take effect; the others are a 400 naming
+the field, never a 200 that silently ignores what the client asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.anyio
+IDS = list(range(10, 40))  # a 30-token prompt
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field, value", [
+    ("bad_words", [" Paris"]), ("allowed_token_ids", [28, 29]), ("use_beam_search", True),
+    ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False),
+    ("logits_processors", ["x"])])
+async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, endpoint, field, value):
+    prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    response = await client.post(endpoint, json={**prompt, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} is not supported")
+    assert not engine.added
+
+
+async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(client):
+    response = await client.post("/v1/completions", json={
+        "prompt": "x", "bad_words": [], "use_beam_search": False, "prompt_logprobs": None,
+        "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "logits_processors": []})
+    assert response.status_code == 200, response.text
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, engine, config, tokenizer):
+    body = (await client.post("/v1/completions", json={"prompt": IDS, "truncate_prompt_tokens": 4,
+                                                       "echo": True, "max_tokens": 2})).json()
+    assert engine.added[-1].prompt_token_ids == IDS[-4:]
+    assert body["usage"]["prompt_tokens"] == 4
+    assert body["choices"][0]["text"].startswith(tokenizer.decode(IDS[-4:], skip_special_tokens=False))
+    messages = [{"role": "user", "content": "hello there"}]
+    await client.post("/v1/chat/completions", json={"messages": messages, "truncate_prompt_tokens": 3})
+    assert engine.added[-1].prompt_token_ids == tokenizer.encode_chat(messages)[-3:]
+
+
+async def test_a_prompt_too_long_for_the_model_fits_once_truncated(client, engine, config):
+    too_long = IDS * 5  # 150 tokens, max_model_len 128
+    refused = await client.post("/v1/completions", json={"prompt": too_long})
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    text = "word " * 400
+    for prompt in (too_long, text):
+        response = await client.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 64})
+        assert response.status_code == 200, response.text
+        assert len(engine.added[-1].prompt_token_ids) == 64
+    for keep in (0, -2, config.max_model_len + 1):
+        response = await client.post("/v1/completions", json={"prompt": IDS, "truncate_prompt_tokens": keep})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, engine, sse):
+    response = await client.post("/v1/completions", json={
+        "prompt": IDS, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events, done = sse(response.text)
+    assert done and all(e["usage"]["prompt_tokens"] == len(IDS) for e in events)
+    completion_tokens = [e["usage"]["completion_tokens"] for e in events]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 4
+    assert events[-1]["choices"] == [] and 0 < completion_tokens[-2] <= 4
+
+
+async def test_skip_special_tokens_false_keeps_their_text(client, engine, tokenizer):
+    engine.reply_token_ids = tokenizer.encode("Hi", add_special_tokens=False) + [1] + tokenizer.encode(
+        " there", add_special_tokens=False)  # 1: <|im_start|>, a special token that stops nothing
+    texts = {}
+    for skip in (True, False):
+        body = (await client.post("/v1/completions", json={"prompt": "x", "skip_special_tokens": skip})).json()
+        texts[skip] = body["choices"][0]["text"]
+    assert "<|im_start|>" in texts[False] and texts[False].replace("<|im_start|>", "") == texts[True]
+
+
+async def test_tokenize_returns_the_token_strings_when_asked(client, tokenizer):
+    body = (await client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})).json()
+    assert body["token_strs"] == [tokenizer.token_piece(t) for t in body["tokens"]]
+    assert "".join(body["token_strs"]).replace("Ġ", " ") == "Hello world"
+    assert "token_strs" not in (await client.post("/tokenize", json={"prompt": "Hello"})).json()
