@@ -83,6 +83,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-size", type=parse_size,
                         default=defaults.max_request_body_bytes,
                         help="HTTP request bodies beyond this get 413, e.g. 16MiB (the default)")
+    parser.add_argument("--client-timeout", type=float, default=defaults.client_timeout_s,
+                        help="seconds a request body may take to arrive (then 408), and a response "
+                             "write may make no progress (then the response ends, its request aborted)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of cached KV blocks across requests")
@@ -137,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting, max_waiting_tokens=args.max_waiting_tokens,
-        max_request_body_bytes=args.max_request_body_size,
+        max_request_body_bytes=args.max_request_body_size, client_timeout_s=args.client_timeout,
         scheduling=args.scheduling, tool_call_parser=args.tool_call_parser, null_model=args.null_model,
         enable_prefix_caching=not args.no_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -1,18 +1,27 @@
-"""The HTTP edge's first answers: requests refused before any work is spent on them.
+"""The HTTP edge's first answers: requests refused before any work is spent on them, and clients
+too slow to keep what they hold.
 
-Both middlewares are pure ASGI, so streams pass through untouched. Order (outermost first): the
-HTTP answer count (http_metrics.py), CORS, the API key check, BodyLimitMiddleware,
-AdmissionMiddleware, then the app.
+The middlewares are pure ASGI, so streams pass through untouched. Order (outermost first): the
+HTTP answer count (http_metrics.py), CORS, the API key check, SlowClientMiddleware,
+BodyLimitMiddleware, AdmissionMiddleware, then the app.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
 from http import HTTPStatus
+from typing import TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import APIError
 from frontend.state import ServerState
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -79,3 +88,59 @@ class BodyLimitMiddleware:
                         f"the request body is too large: {what} {self._max_bytes} bytes "
                         f"(--max-request-body-size)", "invalid_request_error", None,
                         "request_too_large")
+
+
+class ClientStalled(Exception):
+    """A response write made no progress for the client timeout."""
+
+
+class SlowClientMiddleware:
+    """A request's body must arrive within `timeout_s` of its headers (else 408), and a response
+    write that moves nothing for `timeout_s` (a client that stopped reading: the socket's buffers
+    are full) ends the response, which aborts its request. Without these a client that sends its
+    body slowly, or stops reading, would hold its admission slot (and its seat) indefinitely."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, timeout_s: float) -> None:
+        self.app = app
+        self._state = state
+        self._timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = time.monotonic() + self._timeout_s
+        body_done = False
+
+        async def receive_in_time() -> Message:
+            nonlocal body_done
+            if body_done:  # after the body only a disconnect comes: no deadline
+                return await receive()
+            try:
+                message = await _within(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                self._state.metrics.record_rejection("client_timeout")
+                raise APIError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within "
+                               f"{self._timeout_s:g} s (--client-timeout)", "invalid_request_error",
+                               None, "client_timeout") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def send_in_time(message: Message) -> None:
+            try:
+                await _within(send(message), self._timeout_s)
+            except TimeoutError:
+                raise ClientStalled() from None
+
+        try:
+            await self.app(scope, receive_in_time, send_in_time)
+        except ClientStalled:
+            logger.warning("%s %s: the client read nothing for %g s (--client-timeout); its response "
+                           "ends here and its request is aborted", scope["method"], scope["path"],
+                           self._timeout_s)
+
+
+async def _within(step: Awaitable[T], timeout_s: float) -> T:
+    """`step`, or TimeoutError after timeout_s: a timer on this task, not a task per call."""
+    async with asyncio.timeout(max(0.0, timeout_s)):
+        return await step

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware
+from frontend.admission import AdmissionMiddleware, BodyLimitMiddleware, SlowClientMiddleware
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError, install_error_handlers
 from frontend.grammar_check import BackgroundGrammarChecker, GrammarChecker
@@ -62,10 +62,11 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     install_openapi(app)
     # The last added runs first: the HTTP answer count, CORS (a browser's preflight is answered
     # before any check, and every answer, refusals too, carries its headers; not the 500 of an
-    # unhandled error, which Starlette's outermost handler writes), the API key, the body size,
-    # admission.
+    # unhandled error, which Starlette's outermost handler writes), the API key, slow clients'
+    # deadlines, the body size, admission.
     app.add_middleware(AdmissionMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, state=state, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(SlowClientMiddleware, state=state, timeout_s=config.client_timeout_s)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:

@@ -31,7 +31,7 @@ STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
                   2.5, 5.0, 10.0, 30.0)
 # Why a request was refused before it ran: the limit (flag) or the server state that refused it.
 REJECTION_REASONS = ("max_num_waiting", "max_waiting_tokens", "max_request_body_bytes", "draining",
-                     "engine_unavailable")
+                     "engine_unavailable", "client_timeout")
 OCCUPANCY_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # Scheduler running totals (SchedulerStats fields) -> our counter names.
 _SCHEDULER_TOTALS = {
@@ -111,7 +111,7 @@ class FrontendMetrics:
         for reason in filter(None, FinishReason):  # every series exists from the start
             self.request_success.labels(model_name, reason)
         self.request_rejected = Counter(PREFIX + "request_rejected_total",
-                                        "Requests refused before they ran (429, 413, 503), by reason.",
+                                        "Requests refused before they ran (429, 413, 408, 503), by reason.",
                                         ("model_name", "reason"), registry=self.registry)
         for reason in REJECTION_REASONS:
             self.request_rejected.labels(model_name, reason)

@@ -41,6 +41,9 @@ class EngineConfig:
     max_num_waiting: int = 1024
     max_waiting_tokens: int = 1 << 20  # prompt tokens the waiting queue may hold (the scheduler enforces it)
     max_request_body_bytes: int = 16 << 20  # HTTP request bodies beyond this get 413
+    # A request body must arrive within this, and a response write that moves nothing for this
+    # long ends the response: a slow or stalled client never keeps a request's seat and slot.
+    client_timeout_s: float = 60.0
     scheduling: str = "continuous"
     tool_call_parser: str = "auto"  # one of TOOL_CALL_PARSERS
     enable_prefix_caching: bool = True
@@ -110,7 +113,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got "
                                   f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
-        for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s", "restart_window_s"):
+        for name in ("ready_timeout_s", "step_timeout_s", "stall_timeout_s", "restart_window_s",
+                     "client_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValidationError(f"{name} must be > 0 seconds, got {getattr(self, name)}", name)
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "vocab_size",

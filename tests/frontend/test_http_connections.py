@@ -126,3 +126,46 @@ def test_a_client_reading_its_stream_slowly_gets_all_of_it_and_others_are_served
                 assert chunk, "the stream ended early"
                 received += chunk
     assert received.startswith(b"HTTP/1.1 200") and received.count(b"data: {") > 700
+
+
+def test_a_body_that_does_not_arrive_within_the_client_timeout_gets_408_and_frees_its_slot(
+        config, engine, tokenizer):
+    app = create_app(config.with_updates(max_num_seqs=1, max_num_waiting=1, client_timeout_s=1.0),
+                     engine, tokenizer)
+    state = app.state.conveyor
+    with LiveServer(app) as server, server.connect() as first, server.connect() as second:
+        for sock in (first, second):  # both admission slots, each body 5 bytes of 66
+            sock.sendall(raw_request("/v1/completions", b'{"pro', content_length=66))
+        wait_until(lambda: state.num_in_flight == 2)
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5).status_code == 429
+        started_s = time.monotonic()
+        for sock in (first, second):
+            status, _, rest = read_response_head(sock)
+            assert status == 408 and json.loads(rest)["error"]["code"] == "client_timeout"
+            assert b"did not arrive within 1 s (--client-timeout)" in rest
+        assert time.monotonic() - started_s < 3.0
+        wait_until(lambda: state.num_in_flight == 0)
+        assert not engine.added  # neither ever reached the engine
+        served_quickly(server.url)
+
+
+def test_a_stream_whose_client_stops_reading_is_ended_and_aborted_after_the_client_timeout(
+        config, engine, tokenizer):
+    # About 8 MB of events, more than the sockets' buffers hold; the request never ends on its own.
+    engine.reply_token_ids, engine.hang = engine.reply_token_ids * 1000, True
+    app = create_app(config.with_updates(max_model_len=16384, client_timeout_s=1.0), engine, tokenizer)
+    state = app.state.conveyor
+    body = json.dumps({"prompt": "x", "stream": True, "max_tokens": 9000, "logprobs": 20}).encode()
+    with LiveServer(app) as server:
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", server.port))
+        with stalled:
+            stalled.sendall(raw_request("/v1/completions", body))  # and never reads a byte
+            wait_until(lambda: engine.added)
+            started_s = time.monotonic()
+            wait_until(lambda: state.num_in_flight == 0, timeout_s=15)
+            assert time.monotonic() - started_s > 0.9  # it stalled first, then the timeout ran out
+            assert engine.aborted == [engine.added[0].request_id]
+            engine.hang = False
+            served_quickly(server.url)
