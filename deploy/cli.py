@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -15,8 +16,8 @@ from deploy.model_info import ModelError, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
-from proto.config import (ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES, TOOL_CALL_PARSERS,
-                          EngineConfig)
+from proto.config import (API_KEY_ENV, ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES,
+                          TOOL_CALL_PARSERS, EngineConfig)
 from proto.errors import ValidationError
 
 log = logging.getLogger("conveyor.deploy")
@@ -52,8 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=defaults.served_model_name,
                         help="the model's name in the API (default: the Hugging Face id it was given as, "
                              "else the model directory's name)")
-    parser.add_argument("--api-key", default=defaults.api_key,
-                        help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, defaults.api_key),
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, "
+                             "which keeps the key out of the process list)")
     parser.add_argument("--allowed-origins", type=parse_origins, default=defaults.allowed_origins,
                         help="comma-separated origins whose browser pages may call the API (CORS), "
                              "e.g. https://chat.example.com; '*' (the default) = any, '' = none")

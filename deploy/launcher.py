@@ -35,7 +35,7 @@ from deploy.children import Child, ExitWatch, StartupError
 from deploy.replacement import Replacements
 from deploy.restarts import RestartBudget
 from proto import codec, sockets
-from proto.config import EngineConfig
+from proto.config import API_KEY_ENV, EngineConfig
 from proto.errors import ProtocolError, ValidationError
 from proto.control import ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers
 
@@ -117,7 +117,11 @@ class Stack(Replacements):
         return [Child("scheduler", "scheduler_proc", []), *workers, Child("frontend", "frontend", [])]
 
     def _spawn(self, child: Child) -> None:
-        argv = [sys.executable, "-m", child.module, "--config", self.config.to_json(), *child.extra_args]
+        # The API key reaches the frontend alone, in its environment: command lines are world-readable.
+        config, env = self.config.with_updates(api_key=""), dict(child.env)
+        if child.module == "frontend" and self.config.api_key:
+            env[API_KEY_ENV] = self.config.api_key
+        argv = [sys.executable, "-m", child.module, "--config", config.to_json(), *child.extra_args]
         output: IO[bytes] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +129,7 @@ class Stack(Replacements):
         # A new session: a terminal's Ctrl-C reaches only the supervisor, which stops children in order.
         child.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output,
                                          stderr=subprocess.STDOUT if output else None,
-                                         start_new_session=True, env=_child_env(child.env))
+                                         start_new_session=True, env=_child_env(env))
         log.info("started %s (pid %d)", child.name, child.process.pid)
 
     def _wait_ready(self, pending: set[str]) -> None:

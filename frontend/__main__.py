@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 import uvicorn
@@ -15,7 +16,7 @@ from frontend.server import (UVICORN_GRACE_S, DrainingServer, SupervisorLink, bi
                              exit_with_parent)
 from frontend.tokenizer import Tokenizer
 from proto import sockets
-from proto.config import EngineConfig
+from proto.config import API_KEY_ENV, EngineConfig
 
 logger = logging.getLogger("frontend")
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how often the supervisor has restarted the frontend before this one")
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
+    if os.environ.get(API_KEY_ENV):  # the supervisor passes the key here, not in --config
+        config = config.with_updates(api_key=os.environ[API_KEY_ENV])
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_with_parent()

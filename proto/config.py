@@ -20,6 +20,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "native", "flash")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "llama3_json")
 
 
+# The API key's environment variable: `--api-key`'s default, and how the supervisor hands the key
+# to the frontend (a process's command line is world-readable in /proc; its environment is not).
+API_KEY_ENV = "CONVEYOR_API_KEY"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the processes must agree on. Model facts (vocab, eos, context) are filled in
@@ -57,7 +62,7 @@ class EngineConfig:
     runtime_dir: str = ""
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str = ""
+    api_key: str = ""  # travels to the frontend in API_KEY_ENV, never in a command line (ps shows those)
     # Origins whose browser pages may call the API (CORS); ("*",) = any, () = none (no CORS headers).
     allowed_origins: tuple[str, ...] = ("*",)
     ready_timeout_s: float = 120.0

@@ -139,3 +139,12 @@ def test_serve_exits_with_a_clear_error_for_a_missing_model(tmp_path: Path,
     errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
     assert len(errors) == 1, errors
     assert str(missing) in errors[0] and "neither a local directory" in errors[0], errors[0]
+
+
+def test_the_api_key_comes_from_its_environment_variable_unless_the_flag_gives_one(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_API_KEY", "from-env")
+    assert config_from_args(_serve_args(str(tiny_model_dir))).api_key == "from-env"
+    assert config_from_args(_serve_args(str(tiny_model_dir), "--api-key", "flag")).api_key == "flag"
+    monkeypatch.delenv("CONVEYOR_API_KEY")
+    assert config_from_args(_serve_args(str(tiny_model_dir))).api_key == ""

@@ -29,6 +29,15 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield running
 
 
+def test_the_api_key_is_in_no_process_command_line(stack: Stack) -> None:
+    # /proc/PID/cmdline is readable by every local user; the frontend gets the key in its environment.
+    for child in stack.children:
+        with open(f"/proc/{child.process.pid}/cmdline", "rb") as cmdline:
+            assert API_KEY.encode() not in cmdline.read(), child.name
+    response = httpx.post(f"{stack.url}/v1/completions", json=completion(max_tokens=2), timeout=30, headers=AUTH)
+    assert response.status_code == 200, response.text
+
+
 def completion(**fields: object) -> dict:
     return {"model": "tiny", "prompt": "Hold the seat", "temperature": 0, "ignore_eos": True, **fields}
 
