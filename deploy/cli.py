@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from deploy.model_info import ModelError, read_model_info, resolve_model_facts
+from deploy.model_info import ModelError, ModelInfo, read_model_info, resolve_model_facts
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
@@ -134,7 +134,31 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     served_model_name = args.served_model_name
     if not served_model_name and args.model is not None and not Path(args.model).expanduser().is_dir():
         served_model_name = args.model  # a Hugging Face id: its cache snapshot is named by a commit hash
-    config = EngineConfig(
+    try:
+        config = _engine_config(args, model_dir, served_model_name, info)
+    except ValidationError as exc:  # the config's own message, prefixed with the flag that set it
+        if exc.param is None:
+            raise
+        raise ValidationError(f"{flag_of(exc.param)}: {exc.message}", exc.param) from None
+    check_placement(config)
+    return resolve_model_facts(config, info)
+
+
+# EngineConfig fields whose flag is not the field's name in dashes.
+_FLAG_OF_FIELD = {"kv_cache_memory_bytes": "--kv-cache-memory", "max_request_body_bytes": "--max-request-body-size",
+                  "client_timeout_s": "--client-timeout", "ready_timeout_s": "--ready-timeout",
+                  "step_timeout_s": "--step-timeout", "stall_timeout_s": "--stall-timeout",
+                  "shutdown_timeout_s": "--shutdown-timeout", "restart_window_s": "--restart-window"}
+
+
+def flag_of(field: str) -> str:
+    """The `conveyor serve` flag that sets an EngineConfig field."""
+    return _FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+
+
+def _engine_config(args: argparse.Namespace, model_dir: Path, served_model_name: str,
+                   info: ModelInfo) -> EngineConfig:
+    return EngineConfig(
         model=str(model_dir), served_model_name=served_model_name,
         dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
@@ -155,8 +179,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         **placement_fields(args, info))
-    check_placement(config)
-    return resolve_model_facts(config, info)
 
 
 def serve(args: argparse.Namespace) -> int:

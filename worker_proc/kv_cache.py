@@ -60,13 +60,16 @@ def num_kv_blocks_for(config: EngineConfig, model: ModelConfig, dtype: torch.dty
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, dtype, config.tensor_parallel_size)
     if gpu_budget_bytes is not None:
-        budget, name = gpu_budget_bytes, "the GPU memory left for the KV cache"
+        budget, name, remedy = (gpu_budget_bytes, "the GPU memory left for the KV cache",
+                                "raise --gpu-memory-utilization or pass --num-kv-blocks")
     else:
-        budget, name = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        budget, name, remedy = (config.kv_cache_memory_bytes, "--kv-cache-memory",
+                                f"pass --kv-cache-memory {per_block} or more (a block per "
+                                f"{config.block_size} tokens of context)")
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"{name} ({budget} bytes) holds no KV block (one block of "
-                         f"{config.block_size} tokens needs {per_block} bytes)")
+                         f"{config.block_size} tokens needs {per_block} bytes): {remedy}")
     return num_blocks
 
 

@@ -148,3 +148,15 @@ def test_the_api_key_comes_from_its_environment_variable_unless_the_flag_gives_o
     assert config_from_args(_serve_args(str(tiny_model_dir), "--api-key", "flag")).api_key == "flag"
     monkeypatch.delenv("CONVEYOR_API_KEY")
     assert config_from_args(_serve_args(str(tiny_model_dir))).api_key == ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-num-seqs", "-1"], "--max-num-seqs: max_num_seqs must be >= 1, got -1"),
+    (["--port", "99999"], "--port: port must be a TCP port, 1-65535, got 99999"),
+    (["--client-timeout", "0"], "--client-timeout: client_timeout_s must be > 0 seconds, got 0.0"),
+    (["--max-request-body-size", "0"], "--max-request-body-size: max_request_body_bytes must be >= 1, got 0"),
+])
+def test_a_bad_flag_value_is_refused_naming_the_flag(tiny_model_dir: Path, flags: list[str], message: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        config_from_args(_serve_args(str(tiny_model_dir), *flags))
+    assert str(refused.value) == message

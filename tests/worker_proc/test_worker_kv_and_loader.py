@@ -29,7 +29,8 @@ def test_kv_blocks_fill_the_memory_budget_unless_a_count_is_given(tiny_model_dir
     assert num_kv_blocks_for(budget, model, torch.float32) == 10
     assert num_kv_blocks_for(budget, model, torch.bfloat16) == 20
     assert num_kv_blocks_for(budget.with_updates(num_kv_blocks=3), model, torch.float32) == 3
-    with pytest.raises(ValueError, match="holds no KV block"):
+    with pytest.raises(ValueError, match=r"--kv-cache-memory \(100 bytes\) holds no KV block .*: pass "
+                                         f"--kv-cache-memory {TINY_BYTES_PER_BLOCK_FP32} or more"):
         num_kv_blocks_for(EngineConfig(kv_cache_memory_bytes=100), model, torch.float32)
 
 
