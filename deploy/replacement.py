@@ -82,6 +82,7 @@ class Replacements:
         cause = self._exit_cause(dead)
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
+        self.num_restarts["scheduler"] += 1
         generation = self.config.worker_generation + 1
         log.error("%s; replacing the scheduler and the worker group with group %d (%s)", cause,
                   generation, self.restarts.describe())
@@ -114,6 +115,7 @@ class Replacements:
         started, else why the stack must stop (--max-restarts reached on this node)."""
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
+        self.num_restarts["worker"] += 1
         generation = self.config.worker_generation + 1 if generation < 0 else generation
         log.error("%s; replacing the worker group with group %d (%s)", cause, generation,
                   self.restarts.describe())
@@ -140,8 +142,8 @@ class Replacements:
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
         log.error("%s; restarting the frontend (%s)", cause, self.restarts.describe())
-        self.num_frontend_restarts += 1
-        dead.extra_args = ["--restarts", str(self.num_frontend_restarts)]
+        self.num_restarts["frontend"] += 1
+        dead.extra_args = [f"--{kind}-restarts={count}" for kind, count in self.num_restarts.items()]
         _kill_and_reap(dead)
         self._spawn(dead)
         # The watch keeps serving the engine meanwhile, so it is the watch that holds the new

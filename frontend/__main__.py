@@ -24,8 +24,9 @@ logger = logging.getLogger("frontend")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--restarts", type=int, default=0,
-                        help="how often the supervisor has restarted the frontend before this one")
+    for kind in ("frontend", "scheduler", "worker"):  # the restarts before this frontend started
+        parser.add_argument(f"--{kind}-restarts", type=int, default=0,
+                            help=f"how often the supervisor has replaced the {kind} so far")
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
     if os.environ.get(API_KEY_ENV):  # the supervisor passes the key here, not in --config
@@ -38,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     link = SupervisorLink(config.runtime_dir)
     try:
-        return _serve(config, link, args.restarts)
+        return _serve(config, link, {"frontend": args.frontend_restarts, "scheduler": args.scheduler_restarts,
+                                     "worker": args.worker_restarts})
     finally:
         link.close()
 
 
-def _serve(config: EngineConfig, link: SupervisorLink, num_restarts: int) -> int:
+def _serve(config: EngineConfig, link: SupervisorLink, num_restarts: dict[str, int]) -> int:
     try:
         tokenizer = Tokenizer.from_dir(config.model)
         # Requests are held while a lost scheduler is replaced: failed only past the hang bound
@@ -53,7 +55,7 @@ def _serve(config: EngineConfig, link: SupervisorLink, num_restarts: int) -> int
                                  max_frame_bytes=sockets.max_frame_bytes(config),
                                  on_scheduler_hung=link.restart_scheduler)
         app = create_app(config, engine, tokenizer)
-        app.state.conveyor.metrics.frontend_restarts.inc(num_restarts)
+        app.state.conveyor.metrics.continue_restart_counts(num_restarts)
         listen_socket = bind_listen_socket(config.host, config.port)
     except (OSError, ValueError) as exc:
         logger.error("frontend failed to start: %s", exc)

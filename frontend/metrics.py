@@ -15,12 +15,16 @@ since the last message: a counter never goes backwards.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
+                               generate_latest)
 
 from frontend.lifecycle import LifecycleTracker
 from proto.messages import FinishReason, StepOutputs
 
 PREFIX = "conveyor:"
+# No `*_created` gauge beside every counter and histogram: it doubles the series to store and
+# no query of ours (or of vLLM's dashboards) reads it. A process-wide setting of prometheus_client.
+disable_created_metrics()
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -186,6 +190,8 @@ class FrontendMetrics:
             self.workers_rss.set(stats.workers_rss_bytes)
         for field_name, attribute in _SCHEDULER_TOTALS.items():
             total = getattr(stats, field_name)
+            if self._seen_totals[field_name] < 0:  # continue_restart_counts' baseline
+                self._seen_totals[field_name] = total
             # A lower total is a message that does not carry it: never count backwards.
             if total > self._seen_totals[field_name]:
                 getattr(self, attribute).inc(total - self._seen_totals[field_name])
@@ -203,6 +209,15 @@ class FrontendMetrics:
 
     def on_protocol_error(self) -> None:
         self.protocol_errors.inc()
+
+    def continue_restart_counts(self, num_restarts: dict[str, int]) -> None:
+        """A restarted frontend takes on the supervisor's restart counts by process kind, so that
+        process_restarts_total never drops. The running scheduler's own count of worker groups
+        replaced is already in them: its first report is a baseline, not new restarts."""
+        for kind, count in num_restarts.items():
+            self.process_restarts.labels(self._model_name, kind).inc(count)
+        if num_restarts.get("worker"):
+            self._seen_totals["num_worker_restarts_total"] = -1  # the next report sets the baseline
 
     def on_scheduler_replaced(self, num_sequences_resubmitted: int) -> None:
         """A new scheduler continues `num_sequences_resubmitted` open choices (recovered), and its

@@ -124,3 +124,23 @@ def test_a_restarted_frontend_that_hangs_while_starting_is_killed_after_ready_ti
     assert any(f"frontend (pid {hung.pid}) is not ready 20 s after its restart (--ready-timeout)" in line
                for line in supervisor_log)
     assert any(f"frontend (pid {hung.pid}) was killed by SIGKILL after it was not ready 20 s" in line for line in supervisor_log)
+
+
+def restart_counts(url: str) -> dict[str, float]:
+    return {kind: metric_value(url, "conveyor:process_restarts_total", process=kind)
+            for kind in ("frontend", "scheduler", "worker")}
+
+
+def test_a_restarted_frontend_continues_every_process_restart_count(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with Stack(tiny_config(tiny_model_dir, max_restarts=5), log_dir=tmp_path) as stack, supervised(stack) as reasons:
+        for module, kind in (("worker_proc", "worker"), ("scheduler_proc", "scheduler")):
+            next(c for c in stack.children if c.module == module).process.kill()
+            wait_for(lambda: health_status(stack.url) == 200 and restart_counts(stack.url)[kind] == 1, 60,
+                     f"the {kind} replaced")
+        first = frontend_of(stack).process
+        first.kill()
+        wait_for(lambda: frontend_of(stack).process.pid != first.pid and health_status(stack.url) == 200, 60,
+                 "a restarted frontend")
+        greedy_text(stack.url)  # a step after the restart: the scheduler's running totals arrive
+        assert restart_counts(stack.url) == {"frontend": 1, "scheduler": 1, "worker": 1}
+        assert not reasons
