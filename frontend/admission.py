@@ -17,26 +17,38 @@ from typing import TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import APIError
+from frontend.errors import APIError, too_many_requests
 from frontend.state import ServerState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+# /tokenize and /detokenize requests at once (429 beyond): each may parse a body of up to
+# --max-request-body-size into a token list, so their count bounds the memory they take.
+MAX_TOKENIZER_IN_FLIGHT = 4
 
 
 class AdmissionMiddleware:
     """A generation request is refused (429 with Retry-After, or 503) before its body is read,
     or else counted in `num_in_flight` until its response has ended, however it ends (a client
-    gone before the first byte included). Everything expensive happens inside that count."""
+    gone before the first byte included). Everything expensive happens inside that count. A
+    /tokenize or /detokenize request likewise counts in `num_tokenizer_in_flight`, within
+    MAX_TOKENIZER_IN_FLIGHT."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self._state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in TOKENIZER_PATHS:
+            await self._tokenizer_request(scope, receive, send)
+            return
+        if scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         try:
@@ -49,6 +61,18 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
         finally:
             self._state.num_in_flight -= 1
+
+    async def _tokenizer_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._state.num_tokenizer_in_flight >= MAX_TOKENIZER_IN_FLIGHT:
+            refusal = too_many_requests(f"too many /tokenize and /detokenize requests in flight: the "
+                                        f"limit is {MAX_TOKENIZER_IN_FLIGHT}", "tokenizer_busy")
+            await refusal.response()(scope, receive, send)
+            return
+        self._state.num_tokenizer_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._state.num_tokenizer_in_flight -= 1
 
 
 class BodyLimitMiddleware:

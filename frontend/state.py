@@ -47,6 +47,7 @@ class ServerState:
     draining: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
+    num_tokenizer_in_flight: int = 0  # /tokenize and /detokenize requests (AdmissionMiddleware)
     active: set[Generation] = field(default_factory=set)
     prepare_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_PREPARE_THREADS, thread_name_prefix="prepare"))

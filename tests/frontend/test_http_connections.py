@@ -12,6 +12,7 @@ import httpx
 import pytest
 from live_server import LiveServer, raw_request, read_response_head
 
+from frontend.admission import MAX_TOKENIZER_IN_FLIGHT
 from frontend.app import create_app
 
 FIFTY_MB = 50 << 20
@@ -169,3 +170,19 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_aborted_after_the_clie
             assert engine.aborted == [engine.added[0].request_id]
             engine.hang = False
             served_quickly(server.url)
+
+
+def test_tokenizer_requests_beyond_their_limit_are_refused_before_their_body_is_read(live):
+    held = [live.connect() for _ in range(MAX_TOKENIZER_IN_FLIGHT)]
+    try:
+        for sock in held:  # each holds its place with a body it has not sent yet
+            sock.sendall(raw_request("/detokenize", b'{"tok', content_length=4000))
+        wait_until(lambda: live.app.state.conveyor.num_tokenizer_in_flight == MAX_TOKENIZER_IN_FLIGHT)
+        refused = httpx.post(live.url + "/tokenize", json={"prompt": "hi"}, timeout=5)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (429, "tokenizer_busy")
+        served_quickly(live.url)  # generation and /health are not held up
+    finally:
+        for sock in held:
+            sock.close()
+    wait_until(lambda: live.app.state.conveyor.num_tokenizer_in_flight == 0)
+    assert httpx.post(live.url + "/tokenize", json={"prompt": "hi"}, timeout=5).status_code == 200
