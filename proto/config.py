@@ -115,8 +115,9 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValidationError(f"{name} must be >= 1, got {getattr(self, name)}", name)
-        if not 0 < self.port < 65536:
-            raise ValidationError(f"port must be a TCP port, 1-65535, got {self.port}", "port")
+        if not 0 <= self.port < 65536:
+            raise ValidationError(f"port must be a TCP port, 0-65535 (0: any free one), got {self.port}",
+                                  "port")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got "
                                   f"{self.gpu_memory_utilization}", "gpu_memory_utilization")

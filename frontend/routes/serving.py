@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
@@ -21,6 +22,9 @@ from frontend.generation import Generation, abort_on_disconnect
 from frontend.state import ServerState
 from frontend.validation import GenerationJob
 from proto.messages import FinishReason
+
+logger = logging.getLogger(__name__)
+MAX_CLIENT_REQUEST_ID_CHARS = 128  # of a client's X-Request-Id, as echoed and logged
 
 
 class ResponseFormat(Protocol):
@@ -52,33 +56,54 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
     state.check_serving()
     fmts = [make_format() for _ in jobs]
     request_id = f"{fmts[0].id_prefix}-{uuid.uuid4().hex}"
+    # The client's X-Request-Id comes back on the response and names the request in our logs.
+    client_id = request.headers.get("x-request-id", "")[:MAX_CLIENT_REQUEST_ID_CHARS]
+    tracing = {"X-Request-Id": client_id or request_id}
     engine_ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
     batch = GenerationBatch(request_id, [
         Generation(state.engine, state.tokenizer, state.metrics, engine_id, job, arrival_s,
                    state.config.eos_token_ids) for engine_id, job in zip(engine_ids, jobs)])
     formats = dict(zip(batch.generations, fmts))
     state.active.update(batch.generations)
-    handed_over = False
+    handed_over, logged = False, False
+
+    def log_abandoned(why: str) -> None:
+        nonlocal logged
+        if not logged and not all(generation.finished for generation in batch.generations):
+            logged = True
+            logger.info("request %s%s: %s; aborted", request_id,
+                        f" (X-Request-Id {client_id!r})" if client_id else "", why)
+
+    def client_gone() -> None:
+        log_abandoned("the client disconnected")
+        batch.abort()
+
+    async def end() -> None:
+        log_abandoned("its response ended first (the client left or stopped reading)")
+        await _end(state, batch)
+
     try:
-        async with abort_on_disconnect(request.receive, batch.abort):
+        async with abort_on_disconnect(request.receive, client_gone):
             try:
                 await (batch.start() if jobs[0].stream else batch.run())
             except EngineUnavailableError as exc:
                 raise _unavailable(exc) from exc
         failed = batch.failed
         if failed is not None:
-            return _failure(state, failed).response()
+            response = _failure(state, failed).response()
+            response.headers.update(tracing)
+            return response
         if jobs[0].stream:
             handed_over = True
-            return GenerationStream(_sse_events(state, request, batch, formats), lambda: _end(state, batch))
+            return GenerationStream(_sse_events(state, request, batch, formats, client_gone), end, tracing)
         body = _envelope(state, batch, fmts[0].object_name)
         body["choices"] = [_numbered(formats[generation].final_choice(generation, choice), index)
                            for generation, choice, index in batch.choices()]
         body["usage"] = _usage(batch)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=tracing)
     finally:
         if not handed_over:
-            await _end(state, batch)
+            await end()
 
 
 async def _end(state: ServerState, batch: GenerationBatch) -> None:
@@ -90,9 +115,10 @@ class GenerationStream(StreamingResponse):
     """SSE that ends its generation however the response ends: a client gone before the first
     byte means Starlette never starts the body iterator, so nothing inside it could clean up."""
 
-    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         self._events = events
         self._on_close = on_close
 
@@ -105,7 +131,8 @@ class GenerationStream(StreamingResponse):
 
 
 async def _sse_events(state: ServerState, request: Request, batch: GenerationBatch,
-                      formats: dict[Generation, ResponseFormat]) -> AsyncGenerator[str, None]:
+                      formats: dict[Generation, ResponseFormat],
+                      client_gone: Callable[[], None]) -> AsyncGenerator[str, None]:
     include_usage = batch.generations[0].job.include_usage
     envelope = _envelope(state, batch, formats[batch.generations[0]].chunk_object_name)
     if include_usage:
@@ -117,7 +144,7 @@ async def _sse_events(state: ServerState, request: Request, batch: GenerationBat
         usage = {"usage": _usage(batch)} if continuous_usage else {}  # vLLM's usage so far
         return _sse({**envelope, "choices": [_numbered(choice, offset + choice["index"])], **usage})
 
-    async with abort_on_disconnect(request.receive, batch.abort):
+    async with abort_on_disconnect(request.receive, client_gone):
         for generation, fmt in formats.items():
             for first in fmt.first_choices(generation):
                 yield chunk(first, batch.offset(generation))
@@ -163,6 +190,7 @@ def _failure(state: ServerState, generation: Generation) -> APIError:
         return too_many_requests(message)
     if failed.error_code == INVALID_REQUEST_ERROR_CODE:
         return bad_request(message)
+    logger.warning("request %s failed: %s", generation.request_id, message)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
 
 

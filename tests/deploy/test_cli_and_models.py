@@ -152,7 +152,7 @@ def test_the_api_key_comes_from_its_environment_variable_unless_the_flag_gives_o
 
 @pytest.mark.parametrize("flags, message", [
     (["--max-num-seqs", "-1"], "--max-num-seqs: max_num_seqs must be >= 1, got -1"),
-    (["--port", "99999"], "--port: port must be a TCP port, 1-65535, got 99999"),
+    (["--port", "99999"], "--port: port must be a TCP port, 0-65535 (0: any free one), got 99999"),
     (["--client-timeout", "0"], "--client-timeout: client_timeout_s must be > 0 seconds, got 0.0"),
     (["--max-request-body-size", "0"], "--max-request-body-size: max_request_body_bytes must be >= 1, got 0"),
 ])

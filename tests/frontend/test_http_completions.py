@@ -207,3 +207,13 @@ async def test_tokenize_renders_tools_into_the_chat_prompt_as_the_chat_endpoint_
 
 async def test_version_reports_a_version(client):
     assert "version" in (await client.get("/version")).json()
+
+
+async def test_a_response_carries_the_clients_x_request_id_or_its_own_id(client, sse):
+    mine = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "trace-7"})
+    assert mine.headers["x-request-id"] == "trace-7"
+    streamed = await client.post("/v1/chat/completions", headers={"X-Request-Id": "trace-8"},
+                                 json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert streamed.headers["x-request-id"] == "trace-8"
+    own = await client.post("/v1/completions", json={"prompt": "x"})
+    assert own.headers["x-request-id"] == own.json()["id"]

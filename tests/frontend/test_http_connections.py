@@ -4,6 +4,7 @@ vanish, idle or read slowly. Each gets its answer (or works) and the next client
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -69,6 +70,18 @@ def test_a_full_queue_refuses_before_reading_the_body(config, engine, tokenizer)
             assert time.monotonic() - started_s < 1.0
         assert status == 429 and headers["retry-after"] == "1"
         assert b'"type":"rate_limit_error"' in rest and b"the limit is 2" in rest
+
+
+class Lines(logging.Handler):
+    """The messages one logger emits (uvicorn reconfigures logging as each server starts, so
+    pytest's caplog does not see them all)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def test_a_stream_whose_client_vanishes_before_the_first_byte_leaves_nothing_running(
@@ -186,3 +199,27 @@ def test_tokenizer_requests_beyond_their_limit_are_refused_before_their_body_is_
             sock.close()
     wait_until(lambda: live.app.state.conveyor.num_tokenizer_in_flight == 0)
     assert httpx.post(live.url + "/tokenize", json={"prompt": "hi"}, timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_leaves_is_logged_as_aborted_with_its_x_request_id(
+        config, engine, tokenizer, stream):
+    engine.hang = True  # running until aborted
+    app = create_app(config, engine, tokenizer)
+    serving_log, lines = logging.getLogger("frontend.routes.serving"), Lines()
+    serving_log.addHandler(lines)
+    serving_log.setLevel(logging.INFO)
+    body = json.dumps({"prompt": "x", "stream": stream, "max_tokens": 50}).encode()
+    try:
+        with LiveServer(app) as server:
+            with server.connect() as sock:
+                sock.sendall(raw_request("/v1/completions", body, extra_headers="X-Request-Id: gone-7\r\n"))
+                wait_until(lambda: engine.added)
+            wait_until(lambda: engine.aborted)
+            wait_until(lambda: any(line.endswith("; aborted") for line in lines.lines))
+    finally:
+        serving_log.removeHandler(lines)
+        serving_log.setLevel(logging.NOTSET)
+    request_id = engine.added[0].request_id
+    assert [line for line in lines.lines if line.endswith("; aborted")] == [
+        f"request {request_id} (X-Request-Id 'gone-7'): the client disconnected; aborted"]
