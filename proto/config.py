@@ -129,6 +129,9 @@ class EngineConfig:
                      "long_prefill_token_threshold", "max_restarts", "shutdown_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValidationError(f"{name} must be >= 0, got {getattr(self, name)}", name)
+        if self.max_model_len == 1:  # a prompt needs a token, and its output a position after it
+            raise ValidationError("max_model_len must be at least 2 (one prompt token and one output "
+                                  "token), or 0 for the model's own, got 1", "max_model_len")
         self._validate_placement()
 
     def _validate_placement(self) -> None:

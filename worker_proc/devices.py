@@ -64,6 +64,10 @@ def bind_worker(config: EngineConfig, rank: int) -> torch.device:
     if config.workers_per_node > 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, share)
     torch.set_num_threads(config.num_threads or len(share))
+    if config.num_threads > len(share):
+        log.warning("rank %d: --num-threads %d is more than its %d cores; threads that share a core "
+                    "stall every op at the next barrier (leave --num-threads out: one per core)",
+                    rank, config.num_threads, len(share))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(0)

@@ -84,8 +84,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path,
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, (path, stored) in names.items():
         by_file.setdefault(path, []).append((name, stored))
+    # On a terminal only: redirected to a log file, each refresh would be a line of its own.
     bar = tqdm(total=len(names), desc=f"Loading {Path(model_dir).name}", unit="tensor",
-               disable=not show_progress)
+               disable=None if show_progress else True)
     with bar:
         for path, entries in by_file.items():
             with safe_open(str(path), framework="pt") as f:

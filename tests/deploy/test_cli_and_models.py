@@ -160,3 +160,8 @@ def test_a_bad_flag_value_is_refused_naming_the_flag(tiny_model_dir: Path, flags
     with pytest.raises(ValidationError) as refused:
         config_from_args(_serve_args(str(tiny_model_dir), *flags))
     assert str(refused.value) == message
+
+
+def test_a_max_model_len_of_one_token_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValidationError, match="--max-model-len: max_model_len must be at least 2"):
+        config_from_args(_serve_args(str(tiny_model_dir), "--max-model-len", "1"))
