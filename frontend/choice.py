@@ -38,10 +38,11 @@ class ChoiceOutput:
     def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int],
                  stop: list[str], min_tokens: int, wants_logprobs: bool,
                  stop_token_ids: frozenset[int] = frozenset(), include_stop_str: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, asked_stop_token_ids: frozenset[int] = frozenset()) -> None:
         """`stop_token_ids`: those whose text is left out when they end the choice;
         `include_stop_str`: a matched stop string stays in the text; `skip_special_tokens`
-        False: special tokens' text is part of it."""
+        False: special tokens' text is part of it; `asked_stop_token_ids`: the request's own
+        stop_token_ids (not EOS), whose id becomes the stop_reason of a choice they end."""
         self.index = index
         self._stop_token_ids = stop_token_ids
         self.output = OutputText(tokenizer, prompt_token_ids, stop, min_tokens, include_stop_str,
@@ -57,6 +58,8 @@ class ChoiceOutput:
         self.error_message = ""
         self.error_code = ""  # the engine's name for the kind of an "error" finish, e.g. "queue_full"
         self.engine_finished = False
+        self._asked_stop_token_ids = asked_stop_token_ids
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
     @property
     def text(self) -> str:
@@ -81,7 +84,11 @@ class ChoiceOutput:
         self.num_tokens += len(delta.token_ids)
         if self.output.stopped:
             self.finish_reason = FinishReason.STOP
+            self.stop_reason = self.output.matched_stop
         elif delta.finish_reason:
+            if (delta.finish_reason == FinishReason.STOP and delta.token_ids
+                    and delta.token_ids[-1] in self._asked_stop_token_ids):
+                self.stop_reason = delta.token_ids[-1]
             self.finish_reason = delta.finish_reason
             self.error_message = delta.error_message
             self.error_code = delta.error_code

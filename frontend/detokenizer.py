@@ -65,6 +65,7 @@ class OutputText:
         self.num_emitted_chars = 0
         self.num_tokens = 0
         self.stopped = False  # a stop string matched: the text is final, the engine must abort
+        self.matched_stop: str | None = None  # the stop string that matched (vLLM's stop_reason)
 
     @property
     def text(self) -> str:
@@ -88,7 +89,9 @@ class OutputText:
             # Only a match that ends in the new text is new; all of it lies in the unsent text.
             stop_at = self._find_stop(old_unsent_len)
             if stop_at is not None:
-                stop_at += self._matched_len(stop_at) if self._include_stop else 0
+                matched_len = self._matched_len(stop_at)
+                self.matched_stop = self._unsent[stop_at:stop_at + matched_len]
+                stop_at += matched_len if self._include_stop else 0
                 self._unsent = self._unsent[:stop_at]
                 self.stopped = True
                 return self._release(stop_at)

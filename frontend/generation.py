@@ -44,7 +44,8 @@ class Generation:
             frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
         self.choices = [ChoiceOutput(index, tokenizer, job.prompt_token_ids, job.stop,
                                      params.min_tokens, params.logprobs >= 0, stop_token_ids,
-                                     job.include_stop_str, job.skip_special_tokens)
+                                     job.include_stop_str, job.skip_special_tokens,
+                                     frozenset(params.stop_token_ids))
                         for index in range(params.n)]
         self.prompt_logprobs: dict[int, TokenLogprob] = {}  # by position, when echo asked for them
         self.error_message = ""

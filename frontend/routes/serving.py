@@ -97,7 +97,8 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
             handed_over = True
             return GenerationStream(_sse_events(state, request, batch, formats, client_gone), end, tracing)
         body = _envelope(state, batch, fmts[0].object_name)
-        body["choices"] = [_numbered(formats[generation].final_choice(generation, choice), index)
+        body["choices"] = [_numbered({**formats[generation].final_choice(generation, choice),
+                                      "stop_reason": choice.stop_reason}, index)
                            for generation, choice, index in batch.choices()]
         body["usage"] = _usage(batch)
         return JSONResponse(body, headers=tracing)
@@ -154,7 +155,9 @@ async def _sse_events(state: ServerState, request: Request, batch: GenerationBat
                 for choice in fmt.chunk_choices(generation, delta):
                     yield chunk(choice, offset)
                 if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                    yield chunk(fmt.finish_choice(delta.index, delta.finish_reason), offset)
+                    stop_reason = generation.choices[delta.index].stop_reason  # vLLM's field
+                    yield chunk({**fmt.finish_choice(delta.index, delta.finish_reason),
+                                 "stop_reason": stop_reason}, offset)
         except EngineUnavailableError as exc:
             yield _sse(_unavailable(exc).body())
         else:

@@ -18,7 +18,8 @@ async def test_completion_returns_text_usage_and_finish_reason(client, engine, r
     body = response.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["model"] == "tiny"
-    assert body["choices"] == [{"index": 0, "text": reply_text, "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [{"index": 0, "text": reply_text, "logprobs": None, "finish_reason": "stop",
+                                "stop_reason": None}]  # EOS: no stop string or stop token id of the request
     num_prompt = len(engine.added[0].prompt_token_ids)
     num_reply = len(engine.reply_token_ids)
     assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": num_reply,
@@ -158,7 +159,8 @@ async def test_streamed_chat_starts_with_the_assistant_role_and_ends_with_done(c
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert content == reply_text
-    assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
+                                        "stop_reason": None}
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
 
 
@@ -217,3 +219,19 @@ async def test_a_response_carries_the_clients_x_request_id_or_its_own_id(client,
     assert streamed.headers["x-request-id"] == "trace-8"
     own = await client.post("/v1/completions", json={"prompt": "x"})
     assert own.headers["x-request-id"] == own.json()["id"]
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_reason_names_the_stop_string_or_stop_token_id_that_ended_a_choice(
+        client, engine, tokenizer, sse, stream):
+    last = engine.reply_token_ids[-1]  # the fake engine's reply ends on its last token, finish "stop"
+    cases = [({"stop": [" capital", "zzz"]}, " capital"), ({"stop_token_ids": [last]}, last), ({}, None)]
+    for fields, stop_reason in cases:
+        response = await client.post("/v1/completions", json={"prompt": "x", "stream": stream, **fields})
+        if stream:
+            events, _ = sse(response.text)
+            choice = next(c for e in events for c in e["choices"] if c["finish_reason"])
+        else:
+            choice = response.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_reason), fields
