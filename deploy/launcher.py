@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,11 +47,14 @@ class Stack(Replacements):
     """Every conveyor process of one node, owned for the duration of a `with` block."""
 
     def __init__(self, config: EngineConfig, log_dir: Path | None = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
-        """`should_stop` (e.g. SIGTERM received) also ends the wait for start-up: StartupError."""
+                 should_stop: Callable[[], bool] = lambda: False, wakeup: socket.socket | None = None) -> None:
+        """`should_stop` (e.g. SIGTERM received) also ends the wait for start-up: StartupError.
+        `wakeup`: readable when a signal arrived (signal.set_wakeup_fd's other end), so that
+        watch() acts on a stop at once rather than at the end of its poll slice."""
         self.config = config
         self.log_dir = log_dir
         self._should_stop = should_stop
+        self._wakeup = wakeup
         self.children: list[Child] = []
         self._context: zmq.Context | None = None
         self._control: zmq.Socket | None = None
@@ -201,9 +205,12 @@ class Stack(Replacements):
         and a message on the supervisors' group channel end the wait too, so that a lost process
         here or a lost rank on another node is handled at once."""
         poller = zmq.Poller()
-        for readable in [self._control, *self._group_sockets(), *self._exits.fds(self.children)]:
+        wakeup = [] if self._wakeup is None else [self._wakeup]
+        for readable in [self._control, *self._group_sockets(), *self._exits.fds(self.children), *wakeup]:
             poller.register(readable, zmq.POLLIN)
-        poller.poll(int(wait_s * 1000))
+        ready = dict(poller.poll(int(wait_s * 1000)))
+        if self._wakeup is not None and self._wakeup.fileno() in ready:
+            _drain(self._wakeup)
         frame = sockets.recv_ready(self._control, 0.0)
         message = None if frame is None else self.decode_control(frame)
         if isinstance(message, RestartWorkers):
@@ -257,6 +264,15 @@ class Stack(Replacements):
             self._context = None
         if self._owns_runtime_dir and self.config.runtime_dir:
             shutil.rmtree(self.config.runtime_dir, ignore_errors=True)
+
+
+def _drain(wakeup: socket.socket) -> None:
+    """Read the signal numbers set_wakeup_fd wrote (the handlers themselves have run)."""
+    try:
+        while wakeup.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _terminate(children: list[Child], timeout_s: float) -> None:

@@ -104,6 +104,11 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: i
         children = children_of(server.pid)
         assert len(children) >= 3
         server.send_signal(signum)
+        signalled_s = time.monotonic()
+        if not nohup:  # the supervisor wakes at once: the frontend drains, /health turns 503
+            while health_status(f"http://127.0.0.1:{port}") == 200:
+                time.sleep(0.01)
+            assert time.monotonic() - signalled_s < 0.3
         if nohup:
             time.sleep(1.0)
             assert health_status(f"http://127.0.0.1:{port}") == 200  # the hangup is ignored, as nohup asks
