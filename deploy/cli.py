@@ -88,7 +88,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTTP request bodies beyond this get 413, e.g. 16MiB (the default)")
     parser.add_argument("--client-timeout", type=float, default=defaults.client_timeout_s,
                         help="seconds a request body may take to arrive (then 408), and a response "
-                             "write may make no progress (then the response ends, its request aborted)")
+                             "write may wait for a client that reads less than ~48 KB in that time (then "
+                             "the response ends and its request is aborted)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of cached KV blocks across requests")

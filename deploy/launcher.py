@@ -123,7 +123,9 @@ class Stack(Replacements):
 
     def _spawn(self, child: Child) -> None:
         # The API key reaches the frontend alone, in its environment: command lines are world-readable.
-        config, env = self.config.with_updates(api_key=""), dict(child.env)
+        # The config's key is the one: an API_KEY_ENV inherited from here is no child's business.
+        config, env = self.config.with_updates(api_key=""), _child_env(child.env)
+        env.pop(API_KEY_ENV, None)
         if child.module == "frontend" and self.config.api_key:
             env[API_KEY_ENV] = self.config.api_key
         argv = [sys.executable, "-m", child.module, "--config", config.to_json(), *child.extra_args]
@@ -134,7 +136,7 @@ class Stack(Replacements):
         # A new session: a terminal's Ctrl-C reaches only the supervisor, which stops children in order.
         child.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output,
                                          stderr=subprocess.STDOUT if output else None,
-                                         start_new_session=True, env=_child_env(env))
+                                         start_new_session=True, env=env)
         log.info("started %s (pid %d)", child.name, child.process.pid)
 
     def _wait_ready(self, pending: set[str]) -> None:

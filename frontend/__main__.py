@@ -56,7 +56,7 @@ def _serve(config: EngineConfig, link: SupervisorLink, num_restarts: dict[str, i
                                  on_scheduler_hung=link.restart_scheduler)
         app = create_app(config, engine, tokenizer)
         app.state.conveyor.metrics.continue_restart_counts(num_restarts)
-        listen_socket = bind_listen_socket(config.host, config.port)
+        listen_socket = bind_listen_socket(config.host, config.port, config.client_timeout_s)
     except (OSError, ValueError) as exc:
         logger.error("frontend failed to start: %s", exc)
         link.failed(str(exc))

@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
-# /tokenize and /detokenize requests at once (429 beyond): each may parse a body of up to
+# /tokenize and /detokenize requests parsed at once (429 beyond): each may parse a body of up to
 # --max-request-body-size into a token list, so their count bounds the memory they take.
 MAX_TOKENIZER_IN_FLIGHT = 4
 
@@ -34,8 +34,8 @@ class AdmissionMiddleware:
     """A generation request is refused (429 with Retry-After, or 503) before its body is read,
     or else counted in `num_in_flight` until its response has ended, however it ends (a client
     gone before the first byte included). Everything expensive happens inside that count. A
-    /tokenize or /detokenize request likewise counts in `num_tokenizer_in_flight`, within
-    MAX_TOKENIZER_IN_FLIGHT."""
+    /tokenize or /detokenize request counts in `num_tokenizer_in_flight` (within
+    MAX_TOKENIZER_IN_FLIGHT) from the end of its body to the end of its response."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -63,16 +63,27 @@ class AdmissionMiddleware:
             self._state.num_in_flight -= 1
 
     async def _tokenizer_request(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._state.num_tokenizer_in_flight >= MAX_TOKENIZER_IN_FLIGHT:
-            refusal = too_many_requests(f"too many /tokenize and /detokenize requests in flight: the "
-                                        f"limit is {MAX_TOKENIZER_IN_FLIGHT}", "tokenizer_busy")
-            await refusal.response()(scope, receive, send)
-            return
-        self._state.num_tokenizer_in_flight += 1
+        """The slot is taken once the body has arrived (parsing it is what costs memory), so slow
+        uploads cannot hold the slots; beyond the limit the body's read raises a 429."""
+        state, taken = self._state, False
+
+        async def receive_within_limit() -> Message:
+            nonlocal taken
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False) and not taken:
+                if state.num_tokenizer_in_flight >= MAX_TOKENIZER_IN_FLIGHT:
+                    state.metrics.record_rejection("tokenizer_busy")
+                    raise too_many_requests(f"too many /tokenize and /detokenize requests in flight: "
+                                            f"the limit is {MAX_TOKENIZER_IN_FLIGHT}", "tokenizer_busy")
+                state.num_tokenizer_in_flight += 1
+                taken = True
+            return message
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive_within_limit, send)
         finally:
-            self._state.num_tokenizer_in_flight -= 1
+            if taken:
+                state.num_tokenizer_in_flight -= 1
 
 
 class BodyLimitMiddleware:
@@ -120,9 +131,12 @@ class ClientStalled(Exception):
 
 class SlowClientMiddleware:
     """A request's body must arrive within `timeout_s` of its headers (else 408), and a response
-    write that moves nothing for `timeout_s` (a client that stopped reading: the socket's buffers
-    are full) ends the response, which aborts its request. Without these a client that sends its
-    body slowly, or stops reading, would hold its admission slot (and its seat) indefinitely."""
+    write that cannot be handed to the connection within `timeout_s` ends the response, which
+    aborts its request. uvicorn holds a write back while more than its high-water mark (64 KiB)
+    waits unsent, until the client has taken about 48 KiB, so a client reading less than that per
+    `timeout_s` (a stalled one: the socket's buffers are full) is cut off: 0.8 KB/s at the
+    default 60 s. Without these a client that sends its body slowly, or stops reading, would hold
+    its admission slot (and its seat) indefinitely."""
 
     def __init__(self, app: ASGIApp, state: ServerState, timeout_s: float) -> None:
         self.app = app

@@ -35,7 +35,7 @@ STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
                   2.5, 5.0, 10.0, 30.0)
 # Why a request was refused before it ran: the limit (flag) or the server state that refused it.
 REJECTION_REASONS = ("max_num_waiting", "max_waiting_tokens", "max_request_body_bytes", "draining",
-                     "engine_unavailable", "client_timeout")
+                     "engine_unavailable", "client_timeout", "tokenizer_busy")
 OCCUPANCY_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # Scheduler running totals (SchedulerStats fields) -> our counter names.
 _SCHEDULER_TOTALS = {

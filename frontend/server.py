@@ -58,11 +58,17 @@ def exit_with_parent() -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
-def bind_listen_socket(host: str, port: int) -> socket.socket:
-    """Bind here rather than in uvicorn, so that a busy port is a clear error we can report."""
+def bind_listen_socket(host: str, port: int, client_timeout_s: float = 0.0) -> socket.socket:
+    """Bind here rather than in uvicorn, so that a busy port is a clear error we can report.
+    `client_timeout_s`: where the OS has TCP_USER_TIMEOUT (Linux), every accepted connection
+    whose sent data stays unacknowledged that long (a client that stopped reading: its window is
+    shut) is closed by the kernel; a response the frontend gave up on then frees its socket and
+    buffers too, instead of waiting for the peer to leave."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if client_timeout_s > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):  # inherited by accepted sockets
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(client_timeout_s * 1000))
     try:
         sock.bind((host, port))
     except OSError as exc:

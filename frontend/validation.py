@@ -90,7 +90,7 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
         try:  # what is wrong with one prompt of a batch says which
             prompt_ids = completion_prompt_ids(prompt, tokenizer, limits,
                                                truncating=request.truncate_prompt_tokens is not None)
-            kept = _truncated(prompt_ids, request.truncate_prompt_tokens, limits)
+            kept = _truncated(prompt_ids, request.truncate_prompt_tokens, limits, request.max_tokens)
             if len(kept) < len(prompt_ids):
                 prompt = prompt_ids = kept  # echo shows what the model was given
             room = _check_prompt_fits(prompt_ids, request.max_tokens, limits, "prompt")
@@ -153,11 +153,11 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     truncating = request.truncate_prompt_tokens is not None
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, None if truncating else limits.max_model_len,
                                  tools)
-    prompt_ids = _truncated(prompt_ids, request.truncate_prompt_tokens, limits)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    prompt_ids = _truncated(prompt_ids, request.truncate_prompt_tokens, limits, max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages", max_tokens_param)
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
     return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs},
@@ -232,15 +232,17 @@ def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
     return tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
-def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len of them)."""
+def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits, max_tokens: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens; -1: as many as leave room
+    for max_tokens (at least one) output tokens in max_model_len."""
     if keep is None:
         return prompt_ids
+    longest = limits.max_model_len - 1  # a prompt leaves room for one output token at least
     if keep == -1:
-        keep = limits.max_model_len
-    if not 1 <= keep <= limits.max_model_len:
-        raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
-                          f"({limits.max_model_len}), got {keep}", "truncate_prompt_tokens")
+        keep = max(limits.max_model_len - max(max_tokens or 1, 1), 1)
+    elif not 1 <= keep <= longest:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len - 1 "
+                          f"({longest}), got {keep}", "truncate_prompt_tokens")
     return prompt_ids[-keep:]
 
 
@@ -270,7 +272,8 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         stop=_stop_strings(request.stop),
         stream=bool(request.stream),
         include_usage=bool(request.stream and stream_options and stream_options.include_usage),
-        continuous_usage=bool(request.stream and stream_options and stream_options.continuous_usage_stats),
+        continuous_usage=bool(request.stream and stream_options and stream_options.include_usage
+                              and stream_options.continuous_usage_stats),  # vLLM asks for both
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,

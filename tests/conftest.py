@@ -25,9 +25,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def _place_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a machine with GPUs a stack places each worker on one, so a test that means CPU workers,
     or more ranks than there are GPUs, hides them from the processes it starts."""
-    ranks = request.node.get_closest_marker("ranks")
+    ranks, gpus = request.node.get_closest_marker("ranks"), visible_gpus()
     if hides_gpus(ranks.args[0] if ranks else None, request.node.get_closest_marker("cpu_workers") is not None,
-                  visible_gpus()):
+                  gpus):
+        if gpus:  # CUDA reads the variable once: this process keeps its GPUs for later tests
+            import torch
+
+            torch.cuda.is_available()
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 

@@ -59,6 +59,7 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
     # The client's X-Request-Id comes back on the response and names the request in our logs.
     client_id = request.headers.get("x-request-id", "")[:MAX_CLIENT_REQUEST_ID_CHARS]
     tracing = {"X-Request-Id": client_id or request_id}
+    client_label = f" (X-Request-Id {client_id!r})" if client_id else ""
     engine_ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
     batch = GenerationBatch(request_id, [
         Generation(state.engine, state.tokenizer, state.metrics, engine_id, job, arrival_s,
@@ -71,8 +72,7 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
         nonlocal logged
         if not logged and not all(generation.finished for generation in batch.generations):
             logged = True
-            logger.info("request %s%s: %s; aborted", request_id,
-                        f" (X-Request-Id {client_id!r})" if client_id else "", why)
+            logger.info("request %s%s: %s; aborted", request_id, client_label, why)
 
     def client_gone() -> None:
         log_abandoned("the client disconnected")
@@ -87,15 +87,18 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
             try:
                 await (batch.start() if jobs[0].stream else batch.run())
             except EngineUnavailableError as exc:
-                raise _unavailable(exc) from exc
+                unavailable_error = _unavailable(exc)
+                unavailable_error.headers = {**(unavailable_error.headers or {}), **tracing}
+                raise unavailable_error from exc
         failed = batch.failed
         if failed is not None:
-            response = _failure(state, failed).response()
+            response = _failure(state, failed, client_label).response()
             response.headers.update(tracing)
             return response
         if jobs[0].stream:
             handed_over = True
-            return GenerationStream(_sse_events(state, request, batch, formats, client_gone), end, tracing)
+            return GenerationStream(_sse_events(state, request, batch, formats, client_gone, client_label), end,
+                                    tracing)
         body = _envelope(state, batch, fmts[0].object_name)
         body["choices"] = [_numbered({**formats[generation].final_choice(generation, choice),
                                       "stop_reason": choice.stop_reason}, index)
@@ -132,8 +135,8 @@ class GenerationStream(StreamingResponse):
 
 
 async def _sse_events(state: ServerState, request: Request, batch: GenerationBatch,
-                      formats: dict[Generation, ResponseFormat],
-                      client_gone: Callable[[], None]) -> AsyncGenerator[str, None]:
+                      formats: dict[Generation, ResponseFormat], client_gone: Callable[[], None],
+                      client_label: str) -> AsyncGenerator[str, None]:
     include_usage = batch.generations[0].job.include_usage
     envelope = _envelope(state, batch, formats[batch.generations[0]].chunk_object_name)
     if include_usage:
@@ -163,7 +166,7 @@ async def _sse_events(state: ServerState, request: Request, batch: GenerationBat
         else:
             failed = batch.failed
             if failed is not None:
-                yield _sse(_failure(state, failed).body())
+                yield _sse(_failure(state, failed, client_label).body())
             elif include_usage:
                 yield _sse({**envelope, "choices": [], "usage": _usage(batch)})
         yield "data: [DONE]\n\n"
@@ -178,7 +181,7 @@ def _unavailable(exc: EngineUnavailableError) -> APIError:
     return unavailable(str(exc))
 
 
-def _failure(state: ServerState, generation: Generation) -> APIError:
+def _failure(state: ServerState, generation: Generation, client_label: str = "") -> APIError:
     """The error a request that did not finish normally reports: 429 for a full scheduler queue
     (counted by the limit that refused it), 400 for one the scheduler found can never run as
     asked (e.g. more KV cache than the server has), else 500."""
@@ -193,7 +196,7 @@ def _failure(state: ServerState, generation: Generation) -> APIError:
         return too_many_requests(message)
     if failed.error_code == INVALID_REQUEST_ERROR_CODE:
         return bad_request(message)
-    logger.warning("request %s failed: %s", generation.request_id, message)
+    logger.warning("request %s%s failed: %s", generation.request_id, client_label, message)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "server_error", None, "engine_error")
 
 

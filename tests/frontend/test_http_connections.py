@@ -3,11 +3,14 @@ vanish, idle or read slowly. Each gets its answer (or works) and the next client
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -185,41 +188,42 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_aborted_after_the_clie
             served_quickly(server.url)
 
 
-def test_tokenizer_requests_beyond_their_limit_are_refused_before_their_body_is_read(live):
-    held = [live.connect() for _ in range(MAX_TOKENIZER_IN_FLIGHT)]
+def test_tokenizer_requests_beyond_their_limit_get_429_and_slow_uploads_hold_no_slot(live):
+    state = live.app.state.conveyor
+    release = threading.Event()
+    prepare = state.prepare
+
+    async def held_prepare(work):  # each tokenization waits until released
+        await asyncio.get_running_loop().run_in_executor(None, release.wait)
+        return await prepare(work)
+
+    state.prepare = held_prepare
+    slow = [live.connect() for _ in range(MAX_TOKENIZER_IN_FLIGHT)]
     try:
-        for sock in held:  # each holds its place with a body it has not sent yet
+        for sock in slow:  # bodies still arriving take no slot
             sock.sendall(raw_request("/detokenize", b'{"tok', content_length=4000))
-        wait_until(lambda: live.app.state.conveyor.num_tokenizer_in_flight == MAX_TOKENIZER_IN_FLIGHT)
-        refused = httpx.post(live.url + "/tokenize", json={"prompt": "hi"}, timeout=5)
-        assert (refused.status_code, refused.json()["error"]["code"]) == (429, "tokenizer_busy")
-        served_quickly(live.url)  # generation and /health are not held up
+        with ThreadPoolExecutor(MAX_TOKENIZER_IN_FLIGHT) as pool:
+            held = [pool.submit(httpx.post, live.url + "/tokenize", json={"prompt": "hi"}, timeout=10)
+                    for _ in range(MAX_TOKENIZER_IN_FLIGHT)]
+            wait_until(lambda: state.num_tokenizer_in_flight == MAX_TOKENIZER_IN_FLIGHT)
+            refused = httpx.post(live.url + "/tokenize", json={"prompt": "hi"}, timeout=5)
+            assert (refused.status_code, refused.json()["error"]["code"]) == (429, "tokenizer_busy")
+            assert httpx.get(live.url + "/health", timeout=5).status_code == 200
+            release.set()
+            assert [future.result().status_code for future in held] == [200] * MAX_TOKENIZER_IN_FLIGHT
     finally:
-        for sock in held:
+        release.set()
+        for sock in slow:
             sock.close()
-    wait_until(lambda: live.app.state.conveyor.num_tokenizer_in_flight == 0)
+    wait_until(lambda: state.num_tokenizer_in_flight == 0)
     assert httpx.post(live.url + "/tokenize", json={"prompt": "hi"}, timeout=5).status_code == 200
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_request_whose_client_leaves_is_logged_as_aborted_with_its_x_request_id(
-        config, engine, tokenizer, stream):
-    engine.hang = True  # running until aborted
-    app = create_app(config, engine, tokenizer)
-    serving_log, lines = logging.getLogger("frontend.routes.serving"), Lines()
-    serving_log.addHandler(lines)
-    serving_log.setLevel(logging.INFO)
-    body = json.dumps({"prompt": "x", "stream": stream, "max_tokens": 50}).encode()
-    try:
-        with LiveServer(app) as server:
-            with server.connect() as sock:
-                sock.sendall(raw_request("/v1/completions", body, extra_headers="X-Request-Id: gone-7\r\n"))
-                wait_until(lambda: engine.added)
-            wait_until(lambda: engine.aborted)
-            wait_until(lambda: any(line.endswith("; aborted") for line in lines.lines))
-    finally:
-        serving_log.removeHandler(lines)
-        serving_log.setLevel(logging.NOTSET)
-    request_id = engine.added[0].request_id
-    assert [line for line in lines.lines if line.endswith("; aborted")] == [
-        f"request {request_id} (X-Request-Id 'gone-7'): the client disconnected; aborted"]
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="no TCP_USER_TIMEOUT on this OS")
+def test_accepted_connections_are_closed_by_the_kernel_after_the_client_timeout_unacknowledged():
+    from frontend.server import bind_listen_socket
+
+    with bind_listen_socket("127.0.0.1", 0, client_timeout_s=2.5) as listener:
+        listener.listen()
+        with socket.create_connection(listener.getsockname()), listener.accept()[0] as accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 2500

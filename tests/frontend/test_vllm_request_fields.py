@@ -50,7 +50,12 @@ async def test_a_prompt_too_long_for_the_model_fits_once_truncated(client, engin
         response = await client.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 64})
         assert response.status_code == 200, response.text
         assert len(engine.added[-1].prompt_token_ids) == 64
-    for keep in (0, -2, config.max_model_len + 1):
+    for max_tokens, kept in ((None, config.max_model_len - 1), (8, config.max_model_len - 8)):
+        response = await client.post("/v1/completions", json={"prompt": too_long, "truncate_prompt_tokens": -1,
+                                                               "max_tokens": max_tokens})
+        assert response.status_code == 200, response.text
+        assert len(engine.added[-1].prompt_token_ids) == kept  # -1: as much as leaves room for the output
+    for keep in (0, -2, config.max_model_len):
         response = await client.post("/v1/completions", json={"prompt": IDS, "truncate_prompt_tokens": keep})
         assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
 

@@ -34,6 +34,8 @@ def test_the_api_key_is_in_no_process_command_line(stack: Stack) -> None:
     for child in stack.children:
         with open(f"/proc/{child.process.pid}/cmdline", "rb") as cmdline:
             assert API_KEY.encode() not in cmdline.read(), child.name
+        with open(f"/proc/{child.process.pid}/environ", "rb") as environ:  # the frontend's alone
+            assert (f"CONVEYOR_API_KEY={API_KEY}".encode() in environ.read()) == (child.name == "frontend")
     response = httpx.post(f"{stack.url}/v1/completions", json=completion(max_tokens=2), timeout=30, headers=AUTH)
     assert response.status_code == 200, response.text
 
