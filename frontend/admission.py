@@ -129,6 +129,17 @@ class ClientStalled(Exception):
     """A response write made no progress for the client timeout."""
 
 
+class _EndedOnPurpose(logging.Filter):
+    """uvicorn's ERROR for a response the app left unfinished: SlowClientMiddleware does that on
+    purpose to a stalled client, and logs why itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing response."
+
+
+_ENDED_ON_PURPOSE = _EndedOnPurpose()
+
+
 class SlowClientMiddleware:
     """A request's body must arrive within `timeout_s` of its headers (else 408), and a response
     write that cannot be handed to the connection within `timeout_s` ends the response, which
@@ -142,6 +153,7 @@ class SlowClientMiddleware:
         self.app = app
         self._state = state
         self._timeout_s = timeout_s
+        logging.getLogger("uvicorn.error").addFilter(_ENDED_ON_PURPOSE)  # once: the same filter object
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -178,11 +178,18 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_aborted_after_the_clie
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", server.port))
         with stalled:
-            stalled.sendall(raw_request("/v1/completions", body))  # and never reads a byte
-            wait_until(lambda: engine.added)
-            started_s = time.monotonic()
-            wait_until(lambda: state.num_in_flight == 0, timeout_s=15)
-            assert time.monotonic() - started_s > 0.9  # it stalled first, then the timeout ran out
+            uvicorn_log, lines = logging.getLogger("uvicorn.error"), Lines()
+            uvicorn_log.addHandler(lines)
+            try:
+                stalled.sendall(raw_request("/v1/completions", body))  # and never reads a byte
+                wait_until(lambda: engine.added)
+                started_s = time.monotonic()
+                wait_until(lambda: state.num_in_flight == 0, timeout_s=15)
+                assert time.monotonic() - started_s > 0.9  # it stalled first, then the timeout ran out
+                time.sleep(0.2)
+            finally:
+                uvicorn_log.removeHandler(lines)
+            assert not [line for line in lines.lines if "without completing response" in line]  # on purpose
             assert engine.aborted == [engine.added[0].request_id]
             engine.hang = False
             served_quickly(server.url)
