@@ -17,6 +17,7 @@ from frontend.server import (UVICORN_GRACE_S, DrainingServer, SupervisorLink, bi
 from frontend.tokenizer import Tokenizer
 from proto import sockets
 from proto.config import API_KEY_ENV, EngineConfig
+from proto.control import RESTARTED_PROCESSES
 
 logger = logging.getLogger("frontend")
 
@@ -24,7 +25,7 @@ logger = logging.getLogger("frontend")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    for kind in ("frontend", "scheduler", "worker"):  # the restarts before this frontend started
+    for kind in RESTARTED_PROCESSES:  # the restarts before this frontend started
         parser.add_argument(f"--{kind}-restarts", type=int, default=0,
                             help=f"how often the supervisor has replaced the {kind} so far")
     args = parser.parse_args(argv)
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     link = SupervisorLink(config.runtime_dir)
     try:
-        return _serve(config, link, {"frontend": args.frontend_restarts, "scheduler": args.scheduler_restarts,
-                                     "worker": args.worker_restarts})
+        return _serve(config, link, {kind: getattr(args, f"{kind}_restarts") for kind in RESTARTED_PROCESSES})
     finally:
         link.close()
 

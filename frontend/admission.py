@@ -126,7 +126,7 @@ class BodyLimitMiddleware:
 
 
 class ClientStalled(Exception):
-    """A response write made no progress for the client timeout."""
+    """A response write still waited for the client at the client timeout."""
 
 
 class _EndedOnPurpose(logging.Filter):
@@ -185,8 +185,8 @@ class SlowClientMiddleware:
         try:
             await self.app(scope, receive_in_time, send_in_time)
         except ClientStalled:
-            logger.warning("%s %s: the client read nothing for %g s (--client-timeout); its response "
-                           "ends here and its request is aborted", scope["method"], scope["path"],
+            logger.warning("%s %s: a response write waited %g s for the client (--client-timeout); its "
+                           "response ends here and its request is aborted", scope["method"], scope["path"],
                            self._timeout_s)
 
 

@@ -118,7 +118,7 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
                                                    items={"type": "integer", "minimum": 0})
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output text
-    # The prompt's last k tokens only (-1: max_model_len of them), before the context check.
+    # The prompt's last k tokens only (-1: as many as leave room for max_tokens), before the context check.
     truncate_prompt_tokens: Count | None = _documented(minimum=-1)
     # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
     # it (validation.UNSUPPORTED_FIELDS) rather than output that silently ignores it.

@@ -20,7 +20,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.tokenizer import Tokenizer
 from frontend.tool_parsers import HermesParser, ToolParser
 from frontend.validation import ModelLimits
-from proto.config import EngineConfig, free_seats
+from proto.config import EngineConfig, beyond_free_seats, free_seats
 
 NUM_PREPARE_THREADS = 2  # parsing, chat templates and tokenizing; the tokenizer lets go of the GIL
 
@@ -81,7 +81,7 @@ class ServerState:
         if stats is not None and stats.num_waiting >= config.max_num_waiting + num_free_seats:
             raise self._refused("max_num_waiting", f"the waiting queue is full: {stats.num_waiting} "
                                 f"sequences are waiting and max_num_waiting is {config.max_num_waiting} "
-                                f"(beyond {num_free_seats} free seat{'' if num_free_seats == 1 else 's'})")
+                                f"{beyond_free_seats(num_free_seats)}")
         if stats is not None and stats.num_waiting_tokens >= config.max_waiting_tokens:
             raise self._refused("max_waiting_tokens", f"the waiting queue is full: "
                                 f"{stats.num_waiting_tokens} prompt tokens are waiting and "

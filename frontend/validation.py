@@ -266,14 +266,14 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
     stream_options = request.stream_options
     if stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    include_usage = bool(request.stream and stream_options and stream_options.include_usage)
     return GenerationJob(
         prompt_token_ids=prompt_ids,
         sampling_params=_sampling_params(request, max_tokens, limits.vocab_size, logprob_fields),
         stop=_stop_strings(request.stop),
         stream=bool(request.stream),
-        include_usage=bool(request.stream and stream_options and stream_options.include_usage),
-        continuous_usage=bool(request.stream and stream_options and stream_options.include_usage
-                              and stream_options.continuous_usage_stats),  # vLLM asks for both
+        include_usage=include_usage,
+        continuous_usage=include_usage and stream_options.continuous_usage_stats,  # vLLM asks for both
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,

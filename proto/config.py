@@ -46,8 +46,8 @@ class EngineConfig:
     max_num_waiting: int = 1024
     max_waiting_tokens: int = 1 << 20  # prompt tokens the waiting queue may hold (the scheduler enforces it)
     max_request_body_bytes: int = 16 << 20  # HTTP request bodies beyond this get 413
-    # A request body must arrive within this, and a response write that moves nothing for this
-    # long ends the response: a slow or stalled client never keeps a request's seat and slot.
+    # A request body must arrive within this, and a response write still waiting for the client
+    # after this long ends the response: a slow or stalled client never keeps its seat and slot.
     client_timeout_s: float = 60.0
     scheduling: str = "continuous"
     tool_call_parser: str = "auto"  # one of TOOL_CALL_PARSERS
@@ -205,6 +205,11 @@ def free_seats(config: EngineConfig, num_running: int, workers_serving: bool = T
     if not workers_serving or (config.scheduling == "static" and num_running):
         return 0
     return max(config.max_num_seqs - num_running, 0)
+
+
+def beyond_free_seats(num_free_seats: int) -> str:
+    """How a queue-full message says that the free seats were not counted against max_num_waiting."""
+    return f"(beyond {num_free_seats} free seat{'' if num_free_seats == 1 else 's'})"
 
 
 def prompt_fits(num_prompt_tokens: int, max_model_len: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.config import EngineConfig, prompt_fits
+from proto.config import EngineConfig, beyond_free_seats, prompt_fits
 from proto.errors import ValidationError
 from proto.messages import (ERROR_INVALID_REQUEST, ERROR_NONE, ERROR_QUEUE_FULL, ERROR_WAITING_TOKENS_FULL,
                             AddRequest)
@@ -34,8 +34,8 @@ def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: i
     num_choices = message.sampling_params.n  # each choice waits as a sequence of its own
     if num_waiting and num_waiting + num_choices > config.max_num_waiting + num_free_seats:
         return (f"the waiting queue is full: {num_waiting} sequences are waiting, this request adds "
-                f"{num_choices} and max_num_waiting is {config.max_num_waiting} (beyond {num_free_seats} "
-                f"free seat{'' if num_free_seats == 1 else 's'})"), ERROR_QUEUE_FULL
+                f"{num_choices} and max_num_waiting is {config.max_num_waiting} "
+                f"{beyond_free_seats(num_free_seats)}"), ERROR_QUEUE_FULL
     num_prompt = len(message.prompt_token_ids)
     if num_waiting and num_waiting_tokens + num_prompt > config.max_waiting_tokens:
         return (f"the waiting queue is full: {num_waiting_tokens} prompt tokens are waiting, this "

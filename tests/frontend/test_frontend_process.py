@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,18 @@ def start_frontend(config: EngineConfig) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen([sys.executable, "-m", "frontend", "--config", config.to_json()],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@contextmanager
+def frontend_process(config: EngineConfig) -> Iterator[subprocess.Popen]:
+    """`python -m frontend`, killed if it still runs and reaped on the way out."""
+    process = start_frontend(config)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 def report(control: zmq.Socket, process: subprocess.Popen) -> object:
@@ -92,8 +105,7 @@ def hold_a_request(control: zmq.Socket, process: subprocess.Popen,
 def test_frontend_reports_ready_serves_and_drains_on_sigterm(tiny_model_dir, runtime_dir, control,
                                                              fake_scheduler):
     fake_scheduler.answer_delay_s = 1.5  # keeps one request in flight while we send SIGTERM
-    process = start_frontend(frontend_config(tiny_model_dir, runtime_dir))
-    try:
+    with frontend_process(frontend_config(tiny_model_dir, runtime_dir)) as process:
         ready = report(control, process)
         assert isinstance(ready, ProcessReady) and ready.name == "frontend" and ready.pid == process.pid
         url = ready.detail
@@ -111,16 +123,11 @@ def test_frontend_reports_ready_serves_and_drains_on_sigterm(tiny_model_dir, run
         assert results[0].status_code == 200, results[0].text
         assert results[0].json()["usage"]["completion_tokens"] == 2
         assert process.wait(timeout=15) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
 
 
 def test_requests_still_running_at_the_shutdown_timeout_are_aborted_with_an_answer(
         tiny_model_dir, runtime_dir, control, fake_scheduler):
-    process = start_frontend(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=0.5))
-    try:
+    with frontend_process(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=0.5)) as process:
         held, results = hold_a_request(control, process, fake_scheduler)
         process.send_signal(signal.SIGTERM)
         held.join(timeout=20)
@@ -137,16 +144,11 @@ def test_requests_still_running_at_the_shutdown_timeout_are_aborted_with_an_answ
         while not aborted() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert aborted()
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
 
 
 def test_a_second_signal_aborts_what_is_in_flight_with_an_answer_and_stops_at_once(
         tiny_model_dir, runtime_dir, control, fake_scheduler):
-    process = start_frontend(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=60.0))
-    try:
+    with frontend_process(frontend_config(tiny_model_dir, runtime_dir, shutdown_timeout_s=60.0)) as process:
         held, results = hold_a_request(control, process, fake_scheduler)
         process.send_signal(signal.SIGINT)
         time.sleep(0.3)
@@ -157,10 +159,6 @@ def test_a_second_signal_aborts_what_is_in_flight_with_an_answer_and_stops_at_on
         assert results[0].status_code == 503 and "shutting down" in results[0].json()["error"]["message"]
         assert process.wait(timeout=15) == 0
         assert time.monotonic() - started_s < 10.0  # not the 60 s shutdown timeout
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
 
 
 def test_busy_port_is_reported_as_process_failed(tiny_model_dir, runtime_dir, control):
