@@ -38,7 +38,7 @@ from deploy.restarts import RestartBudget
 from proto import codec, sockets
 from proto.config import API_KEY_ENV, EngineConfig
 from proto.errors import ProtocolError, ValidationError
-from proto.control import RESTARTED_PROCESSES, ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers
+from proto.control import ProcessFailed, ProcessReady, RestartScheduler, RestartWorkers
 
 log = logging.getLogger("conveyor.deploy")
 
@@ -65,7 +65,7 @@ class Stack(Replacements):
         self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed it ("after ...")
         self._ready_deadlines: dict[str, float] = {}  # restarted child -> when it must be ready
         # Replacements by process kind, handed to each new frontend for its process_restarts_total.
-        self.num_restarts = dict.fromkeys(RESTARTED_PROCESSES, 0)
+        self.num_restarts = {"frontend": 0, "scheduler": 0, "worker": 0}
         self._group: GroupChannel | None = None  # the supervisors' channel when nnodes > 1
         self._exits = ExitWatch()
 

@@ -17,15 +17,16 @@ from frontend.server import (UVICORN_GRACE_S, DrainingServer, SupervisorLink, bi
 from frontend.tokenizer import Tokenizer
 from proto import sockets
 from proto.config import API_KEY_ENV, EngineConfig
-from proto.control import RESTARTED_PROCESSES
 
 logger = logging.getLogger("frontend")
+# The processes the supervisor replaces (deploy/launcher.py counts them under the same names).
+RESTARTED_PROCESSES = ("frontend", "scheduler", "worker")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    for kind in RESTARTED_PROCESSES:  # the restarts before this frontend started
+    for kind in RESTARTED_PROCESSES:  # the supervisor's restart counts before this frontend started
         parser.add_argument(f"--{kind}-restarts", type=int, default=0,
                             help=f"how often the supervisor has replaced the {kind} so far")
     args = parser.parse_args(argv)

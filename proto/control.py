@@ -13,10 +13,6 @@ from dataclasses import dataclass
 
 from proto.arrays import Int32Array
 
-# What the supervisor replaces, as named in conveyor:process_restarts_total{process} and in the
-# restart counts it hands a restarted frontend (--KIND-restarts).
-RESTARTED_PROCESSES = ("frontend", "scheduler", "worker")
-
 
 @dataclass(frozen=True)
 class ProcessReady:
