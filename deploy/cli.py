@@ -17,8 +17,8 @@ from deploy.model_info import ModelError, ModelInfo, read_model_info, resolve_mo
 from deploy.model_source import resolve_model
 from deploy.placement import add_placement_arguments, check_placement, placement_fields, write_keys
 from deploy.cpu_isa import CAP_VARIABLE
-from proto.config import (API_KEY_ENV, ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, SCHEDULING_POLICIES,
-                          TOOL_CALL_PARSERS, EngineConfig)
+from proto.config import (API_KEY_ENV, ATTENTION_BACKENDS, CPU_ISAS, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES,
+                          SCHEDULING_POLICIES, TOOL_CALL_PARSERS, EngineConfig)
 from proto.errors import ValidationError
 
 log = logging.getLogger("conveyor.deploy")
@@ -100,6 +100,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many long prompts may be partially prefilled in one step")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes,
                         help="CPU: KV cache budget per worker, e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=defaults.kv_cache_dtype,
+                        help="the KV cache's dtype; auto (the default): the model's. bfloat16 under a "
+                             "float32 model holds twice the tokens in the same memory and halves "
+                             "attention's reads; attention then computes in bf16 (fp32 sums), so greedy "
+                             "output can differ from an all-fp32 run")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         help="GPU: share of each GPU's memory for weights, activations and the KV "
                              "cache, which gets what a profiled full-size step leaves (default 0.9)")
@@ -163,7 +168,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path, served_model_name:
     return EngineConfig(
         model=str(model_dir), served_model_name=served_model_name,
         dtype=args.dtype, cpu_isa=args.cpu_isa, attention_backend=args.attention_backend, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory,
+        kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

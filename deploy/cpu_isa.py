@@ -1,7 +1,7 @@
 """What this CPU computes natively (from /proc/cpuinfo), the CONVEYOR_CPU_ISA cap, and the dtype
 that `--dtype auto` picks from them. Read by the supervisor only: workers get the outcome in the
-EngineConfig (the dtype, the cap for the kernel's compile flags) and the cap for torch in their
-environment, before torch is imported."""
+EngineConfig (the dtype and the KV cache's, the cap for the kernel's compile flags) and the cap
+for torch in their environment, before torch is imported."""
 
 from __future__ import annotations
 
@@ -111,11 +111,32 @@ def choose_dtype(requested: str, isa: CpuIsa, on_gpu: bool,
     return requested, f"{requested} as asked ({where})"
 
 
+def choose_kv_cache_dtype(requested: str, requested_dtype: str, dtype: str, isa: CpuIsa,
+                          on_gpu: bool) -> tuple[str, str]:
+    """(kv_cache_dtype, why, '' when it is simply the model's): the decision table of
+    --kv-cache-dtype. auto is the model's dtype, except where `--dtype auto` chose float32 on a CPU
+    for want of native bf16 matmuls: there the cache is bf16, since attention only loads and
+    multiplies what it reads (the native kernel's AVX2 path widens bf16 as it loads), and half the
+    bytes per token is twice the context in --kv-cache-memory and half the reads of a decode
+    (docs/benchmarks.md "A bf16 KV cache under an fp32 model"). An explicit --dtype float32 keeps
+    an fp32 cache: that run matches Hugging Face exactly."""
+    if requested != "auto":
+        return requested, "" if requested == dtype else f"KV cache {requested} as asked"
+    if requested_dtype == "auto" and dtype == "float32" and not on_gpu and rank(isa.level) >= rank("avx2"):
+        return "bfloat16", ("KV cache auto: bfloat16, half of float32's memory and reads per token "
+                            "(attention computes in bf16; --kv-cache-dtype float32 keeps fp32)")
+    return dtype, ""
+
+
 def resolve_dtype(config: EngineConfig, on_gpu: bool, environ: Mapping[str, str],
                   flags: frozenset[str] | None = None, gpu_capability: tuple[int, int] | None = None) -> EngineConfig:
-    """config with dtype resolved (never auto), dtype_reason set and cpu_isa the effective cap
-    ('' when uncapped): the cap is config.cpu_isa, else $CONVEYOR_CPU_ISA."""
+    """config with dtype and kv_cache_dtype resolved (never auto), dtype_reason set (the KV
+    cache's reason after the model's, when it is not simply the model's dtype) and cpu_isa the
+    effective cap ('' when uncapped): the cap is config.cpu_isa, else $CONVEYOR_CPU_ISA."""
     isa = cpu_isa(read_cpu_flags() if flags is None else flags,
                   config.cpu_isa or environ.get(CAP_VARIABLE, "").strip())
     dtype, reason = choose_dtype(config.dtype, isa, on_gpu, gpu_capability)
-    return config.with_updates(dtype=dtype, dtype_reason=reason, cpu_isa=isa.level if isa.capped else "")
+    kv_dtype, kv_reason = choose_kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, isa, on_gpu)
+    return config.with_updates(dtype=dtype, kv_cache_dtype=kv_dtype,
+                               dtype_reason="; ".join(filter(None, (reason, kv_reason))),
+                               cpu_isa=isa.level if isa.capped else "")

@@ -96,7 +96,7 @@ class Stack(Replacements):
             malloc = allocator_env(dict(os.environ)).get("LD_PRELOAD", "glibc's malloc")
         except (ModelError, ValidationError) as exc:
             raise StartupError(str(exc)) from exc
-        log.info("dtype %s: %s", self.config.dtype, self.config.dtype_reason)
+        log.info("dtype %s, KV cache %s: %s", self.config.dtype, self.config.kv_dtype, self.config.dtype_reason)
         if not gpus:
             log.info("CPU workers' allocator: %s (CONVEYOR_MALLOC=system|tcmalloc|auto)", malloc)
         if self._owns_runtime_dir:

@@ -11,6 +11,9 @@ SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("bfloat16", "float32")  # what a worker runs in
 # auto: bf16 where the CPU or GPU computes it natively, else fp32 (resolved by the supervisor).
 DTYPE_CHOICES = ("auto", *DTYPES)
+# The KV cache's element type; auto: the model's dtype. Attention computes in the cache's dtype, so
+# bfloat16 under a float32 model halves both the cache's memory per token and attention's reads.
+KV_CACHE_DTYPE_CHOICES = ("auto", *DTYPES)
 # CPU instruction-set levels, each including the ones before it; a cap holds conveyor to one.
 CPU_ISAS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 # auto: flash-attn on CUDA when installed, the native CPU kernel when it builds, else torch.
@@ -34,6 +37,7 @@ class EngineConfig:
     served_model_name: str = ""
     dtype: str = "auto"  # the supervisor resolves auto before any child starts
     dtype_reason: str = ""  # why the supervisor chose dtype (logged, shown on /version)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPE_CHOICES; kv_dtype resolves auto
     cpu_isa: str = ""  # cap on the CPU ISA conveyor uses, one of CPU_ISAS; "" = all the CPU has
     attention_backend: str = "auto"
     block_size: int = 16
@@ -100,6 +104,9 @@ class EngineConfig:
                 f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}", "scheduling")
         if self.dtype not in DTYPE_CHOICES:
             raise ValidationError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}", "dtype")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValidationError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got "
+                                  f"{self.kv_cache_dtype!r}", "kv_cache_dtype")
         if self.cpu_isa and self.cpu_isa not in CPU_ISAS:
             raise ValidationError(f"cpu_isa must be one of {CPU_ISAS} or empty, got {self.cpu_isa!r}",
                                   "cpu_isa")
@@ -168,6 +175,11 @@ class EngineConfig:
                 "deployment's key pair with --transport-keys DIR (create it once with `conveyor "
                 "keygen DIR`), or pass --insecure-transport to send them unauthenticated and "
                 "unencrypted (a private network only)", "transport_keys_dir")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype (dtype resolved): kv_cache_dtype, or the model's for auto."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def workers_per_node(self) -> int:

@@ -56,8 +56,11 @@ class Attention(nn.Module):
         else:  # q and k sit side by side in qkv: rotate both head groups with one call
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, signed_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        cache_dtype = kv_cache[0].dtype
+        if cache_dtype != q.dtype:  # --kv-cache-dtype other than the model's: attend in the cache's
+            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads * dim]
-        return self.o_proj(out)
+        return self.o_proj(out.to(hidden.dtype))
 
 
 class MLP(nn.Module):

@@ -115,5 +115,5 @@ def _read_model_config(model_dir: str) -> dict:
 def _derived_num_blocks(config: EngineConfig, raw: dict) -> int:
     """What the real worker would report when config.json is known, else a nominal count."""
     if raw:
-        return num_kv_blocks_for(config, parse_model_config(raw), torch_dtype(config.dtype))
+        return num_kv_blocks_for(config, parse_model_config(raw), torch_dtype(config.kv_dtype))
     return max(1, config.kv_cache_memory_bytes // (config.block_size * _NOMINAL_KV_BYTES_PER_TOKEN))

@@ -50,11 +50,12 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         started = time.perf_counter()
-        log.info("rank %d loading model from %s (%s, %d threads)", rank, config.model, config.dtype,
-                 torch.get_num_threads())
-        dtype = torch_dtype(config.dtype)
+        log.info("rank %d loading model from %s (%s, KV cache %s, %d threads)", rank, config.model,
+                 config.dtype, config.kv_dtype, torch.get_num_threads())
+        dtype, self.kv_dtype = torch_dtype(config.dtype), torch_dtype(config.kv_dtype)
         shape = AttentionShape.for_rank(load_model_config(config.model), config.tensor_parallel_size)
-        self.attention = attention_backend_for(self.device, dtype, config.block_size,
+        # Attention computes in the cache's dtype (model.Attention casts to it and back).
+        self.attention = attention_backend_for(self.device, self.kv_dtype, config.block_size,
                                                config.attention_backend, config.cpu_isa, shape)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
@@ -64,9 +65,9 @@ class ModelRunner:
         gpu_budget = None
         if self.device.type == "cuda" and not config.num_kv_blocks:
             gpu_budget = self._gpu_kv_budget()
-        self.num_kv_blocks = num_kv_blocks_for(config, self.model.config, dtype, gpu_budget)
+        self.num_kv_blocks = num_kv_blocks_for(config, self.model.config, self.kv_dtype, gpu_budget)
         self.kv_cache = allocate_kv_cache(self.model.config, self.num_kv_blocks, config.block_size,
-                                          dtype, config.tensor_parallel_size, self.device,
+                                          self.kv_dtype, config.tensor_parallel_size, self.device,
                                           self.attention.kv_layout)
         self.kv_views = self.kv_cache.flat_views()
         log.info("rank %d ready in %.1f s: %d KV blocks of %d tokens", rank,
@@ -83,7 +84,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         scratch = 0
         if self.attention.gathers_context:
-            scratch = gather_scratch_bytes(self.config, self.model.config, torch_dtype(self.config.dtype),
+            scratch = gather_scratch_bytes(self.config, self.model.config, self.kv_dtype,
                                            self.config.max_model_len)
         budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens, scratch)
         log.info("rank %d: a %d-token step peaks at %.2f GiB, attention scratch %.2f GiB; %.2f GiB "
@@ -105,7 +106,7 @@ class ModelRunner:
         max_blocks = -(-int(contexts.max()) // config.block_size)
         num_blocks = len(contexts) * max_blocks
         scratch = allocate_kv_cache(self.model.config, num_blocks, config.block_size,
-                                    torch_dtype(config.dtype), config.tensor_parallel_size, self.device,
+                                    self.kv_dtype, config.tensor_parallel_size, self.device,
                                     self.attention.kv_layout)
         plan = synthetic_plan(0, contexts, contexts, np.zeros(num_tokens, np.int64), max_blocks)
         batch = build_step_batch(plan, config.block_size, num_blocks, self.attention).to(self.device)

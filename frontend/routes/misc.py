@@ -118,4 +118,5 @@ async def version(request: Request) -> dict:
     except metadata.PackageNotFoundError:
         number = "unknown"
     return {"version": number, "dtype": config.dtype, "dtype_reason": config.dtype_reason,
+            "kv_cache_dtype": config.kv_dtype,
             "cpu_isa_cap": config.cpu_isa or None}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cpu_isa import choose_dtype, cpu_isa, read_cpu_flags, resolve_dtype, torch_isa_env
+from deploy.cpu_isa import choose_dtype, choose_kv_cache_dtype, cpu_isa, read_cpu_flags, resolve_dtype, torch_isa_env
 from deploy.devices import worker_env
 from proto.config import EngineConfig
 from proto.errors import ValidationError
@@ -99,6 +99,33 @@ def test_the_supervisor_resolves_auto_and_the_cap_from_the_environment() -> None
     flag_wins = resolve_dtype(EngineConfig(cpu_isa="avx2"), on_gpu=False,
                               environ={"CONVEYOR_CPU_ISA": "avx512"}, flags=SAPPHIRE_RAPIDS)
     assert flag_wins.cpu_isa == "avx2"
+
+
+@pytest.mark.parametrize("flags, dtype, kv_cache_dtype, expected", [
+    (ZEN3, "auto", "auto", "bfloat16"),  # fp32 for want of bf16 matmuls: a bf16 cache halves its reads
+    (SKYLAKE_X, "auto", "auto", "bfloat16"),
+    (frozenset(), "auto", "auto", "float32"),  # baseline: no vectorised kernel path reads bf16
+    (ZEN3, "float32", "auto", "float32"),  # an explicit float32 run matches Hugging Face exactly
+    (ZEN4, "auto", "auto", "bfloat16"),  # the model's own
+    (ZEN4, "float32", "auto", "float32"),
+    (ZEN3, "auto", "float32", "float32"),
+    (ZEN4, "auto", "float32", "float32"),
+    (ZEN4, "float32", "bfloat16", "bfloat16"),
+])
+def test_kv_cache_dtype_auto_is_the_models_except_under_an_auto_float32_cpu_model(
+        flags: frozenset[str], dtype: str, kv_cache_dtype: str, expected: str) -> None:
+    config = resolve_dtype(EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype), on_gpu=False, environ={},
+                           flags=flags)
+    assert config.kv_cache_dtype == config.kv_dtype == expected
+    assert ("KV cache" in config.dtype_reason) == (expected != config.dtype)
+
+
+def test_kv_cache_dtype_auto_on_a_gpu_is_the_models() -> None:
+    assert choose_kv_cache_dtype("auto", "auto", "float32", cpu_isa(ZEN3), on_gpu=True) == ("float32", "")
+    assert choose_kv_cache_dtype("auto", "auto", "bfloat16", cpu_isa(ZEN3), on_gpu=True) == ("bfloat16", "")
+    config = resolve_dtype(EngineConfig(), on_gpu=False, environ={"CONVEYOR_CPU_ISA": "avx2"}, flags=ZEN4)
+    assert (config.dtype, config.kv_cache_dtype) == ("float32", "bfloat16")
+    assert "capped from avx512_bf16" in config.dtype_reason and "KV cache auto: bfloat16" in config.dtype_reason
 
 
 def test_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:

@@ -103,17 +103,22 @@ ISA_CAPS = [level for level in CPU_ISAS if rank(level) <= rank(cpu_isa(read_cpu_
 
 @pytest.mark.cpu_workers
 @pytest.mark.parametrize("cap", ISA_CAPS)
-@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
 def test_a_stack_serves_under_every_isa_cap_this_cpu_allows(
         tiny_model_dir: Path, hf_texts: list[str], cap: str, dtype: str) -> None:
     """Held to a lower ISA (the dtype choice, the kernel's compile flags, torch's oneDNN and ATen),
-    the stack still starts and serves; fp32 (auto without native bf16) still equals HF exactly."""
+    the stack still starts and serves; auto without native bf16 is fp32 with a bf16 KV cache
+    (from AVX2 up), and an explicit float32 still equals HF exactly."""
     config = tiny_config(tiny_model_dir, cpu_isa=cap, dtype=dtype)
     with Stack(config) as capped:
         body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
         response = httpx.post(f"{capped.url}/v1/completions", json=body, timeout=60)
-        served_dtype = httpx.get(f"{capped.url}/version", timeout=10).json()["dtype"]
+        version = httpx.get(f"{capped.url}/version", timeout=10).json()
     assert response.status_code == 200, response.text
-    assert served_dtype == capped.config.dtype != "auto"
-    if served_dtype == "float32":
+    assert version["dtype"] == capped.config.dtype != "auto"
+    assert version["kv_cache_dtype"] == capped.config.kv_cache_dtype != "auto"
+    if dtype == "auto" and version["dtype"] == "float32":
+        assert version["kv_cache_dtype"] == ("float32" if cap == "baseline" else "bfloat16")
+    if dtype == "float32":
+        assert version["kv_cache_dtype"] == "float32"
         assert response.json()["choices"][0]["text"] == hf_texts[1]

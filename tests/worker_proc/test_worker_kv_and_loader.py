@@ -116,6 +116,31 @@ def test_bfloat16_weights_and_cache_are_used_when_asked(tiny_model_dir: Path) ->
     assert tokens.dtype == np.int32 and tokens.shape == (1,)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend: str) -> None:
+    """--kv-cache-dtype bfloat16: fp32 weights, a bf16 cache with twice the blocks in the same
+    memory, attention in bf16: logits within bf16 rounding of the all-fp32 run's, not equal to them."""
+    memory = dict(num_kv_blocks=0, block_size=4, kv_cache_memory_bytes=64 * TINY_BYTES_PER_BLOCK_FP32 // 4,
+                  attention_backend=backend)
+    full = ModelRunner(tiny_engine_config(tiny_model_dir, **memory), rank=0, show_progress=False)
+    half = ModelRunner(tiny_engine_config(tiny_model_dir, kv_cache_dtype="bfloat16", **memory), rank=0,
+                       show_progress=False)
+    assert half.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert half.kv_cache.k_blocks[0].dtype == half.kv_cache.v_blocks[0].dtype == torch.bfloat16
+    assert (full.num_kv_blocks, half.num_kv_blocks) == (64, 128)
+    logits = []
+    for runner in (full, half):
+        pool, seqs = BlockPool(64, block_size=4), [Seq("a", [5, 6, 7, 8, 9, 10, 11]), Seq("b", [3, 4, 5])]
+        first = runner.logits_for_all_tokens(make_plan(seqs, [7, 2], pool))  # prompts, one of them chunked
+        seqs[0].num_computed, seqs[1].num_computed = 7, 2
+        seqs[0].token_ids.append(12)
+        second = runner.logits_for_all_tokens(make_plan(seqs, [1, 1], pool, step_id=1))  # a decode, the chunk's end
+        logits.append(torch.cat([first, second]))
+    assert logits[1].dtype == torch.float32
+    torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.05)
+    assert not torch.equal(logits[1], logits[0])  # the cache rounds K and V to bf16
+
+
 def test_config_accepts_old_and_new_rope_formats() -> None:
     base = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=1, num_attention_heads=4)

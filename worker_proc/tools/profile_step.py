@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from proto.config import EngineConfig
+from proto.config import DTYPES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from worker_proc import model as model_module
 from worker_proc import runner as runner_module
 from worker_proc.batch import synthetic_plan
@@ -124,13 +124,14 @@ def instrument(runner: ModelRunner, watch: Stopwatch) -> None:
 
 
 def floors(config: ModelConfig, contexts: np.ndarray, num_scheduled: np.ndarray, dtype_bytes: int,
-           peak_gflops: float, gbps: float) -> dict[str, float]:
-    """Seconds each compute category needs at the machine's peak, for one step."""
+           peak_gflops: float, gbps: float, kv_bytes: int | None = None) -> dict[str, float]:
+    """Seconds each compute category needs at the machine's peak, for one step. dtype_bytes: a
+    weight's size; kv_bytes: a cached K or V element's (None: dtype_bytes)."""
     shapes = linear_shapes(config)
     tokens, rows = int(num_scheduled.sum()), len(contexts)
     layer_params = sum(i * o for name, (i, o) in shapes.items() if name != "lm_head")
     head_params = config.hidden_size * config.vocab_size
-    kv_row = config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+    kv_row = config.num_layers * 2 * config.num_kv_heads * config.head_dim * (kv_bytes or dtype_bytes)
     # A query at position p attends to p + 1 positions: sum over each member's scheduled tokens.
     attended = sum(int(c) * n - n * (n - 1) // 2 for c, n in zip(contexts, num_scheduled))
     attention_flops = config.num_layers * 4 * config.num_heads * config.head_dim * attended
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker_proc.tools.profile_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory")
-    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="the KV cache's dtype, as `conveyor serve --kv-cache-dtype` (auto: --dtype)")
     parser.add_argument("--decode-batches", default="32,64,256")
     parser.add_argument("--context", type=int, default=256, help="tokens of context of each decode")
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill chunk (0 = none)")
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     block_size = 16
     decode_blocks, prefill_blocks = (-(-n // block_size) for n in (args.context + 1, args.prefill))
-    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=block_size, num_threads=args.num_threads,
+    config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          block_size=block_size, num_threads=args.num_threads,
                           num_kv_blocks=max(max([*batches, 0]) * decode_blocks, prefill_blocks, 1),
                           max_num_batched_tokens=max(args.prefill, 1))
     runner = ModelRunner(config, rank=0, show_progress=False)
@@ -214,14 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, contexts, num_scheduled, max_blocks, num_seqs in scenarios:
         measured = profile(runner, watch, contexts, num_scheduled, args.steps, max_blocks)
         floor = floors(model, contexts, num_scheduled, torch_dtype(args.dtype).itemsize, peak_gflops,
-                       peak["memory_gbps"])
+                       peak["memory_gbps"], torch_dtype(config.kv_dtype).itemsize)
         steps[name] = {"ms": measured, "floor_ms": {k: round(v * 1e3, 3) for k, v in floor.items()},
                        "share_of_floor": {k: round(floor[k] * 1e3 / measured[k], 3) for k in COMPUTE
                                           if measured.get(k)}}
         if num_seqs and not args.no_scheduler:
             steps[name]["scheduler_and_ipc"] = scheduler_side(num_seqs)
         print(f"{name}: {json.dumps(steps[name]['ms'])}", file=sys.stderr)
-    report = {"model": args.model, "dtype": args.dtype, "torch": torch.__version__,
+    report = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": config.kv_dtype, "torch": torch.__version__,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "peak": peak, "steps": steps}
     text = json.dumps(report, indent=2)
     print(text)
