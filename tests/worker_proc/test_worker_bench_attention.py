@@ -48,3 +48,12 @@ def test_a_block_size_that_is_not_a_positive_integer_is_refused(capsys: pytest.C
     assert "--block-sizes takes integers" in capsys.readouterr().err
     assert bench_attention.main(["--block-sizes", "0"]) == 2
     assert "--block-sizes must be >= 1" in capsys.readouterr().err
+
+
+def test_builds_are_compiled_under_the_isa_cap_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """Held to baseline x86-64, the build has only its portable loop: each row says which path ran."""
+    assert bench_attention.main(["--cpu-isa", "baseline", "--dtypes", "float32", "--prefill-tokens", "40",
+                                 "--decode-seqs", "3", "--decode-context", "50", "--repeats", "2",
+                                 "--num-threads", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["case"], row["path"]) for row in rows] == [("prefill", "portable"), ("decode", "portable")]

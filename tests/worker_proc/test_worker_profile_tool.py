@@ -6,6 +6,9 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
+from worker_proc.model_config import load_model_config
 from worker_proc.tools import profile_step
 from worker_proc.tools.stopwatch import Stopwatch
 
@@ -53,3 +56,20 @@ def test_a_bfloat16_profile_measures_both_peaks_with_the_kernel_of_each_dtype(
     for dtype in ("float32", "bfloat16"):
         assert all(gflops > 0 for gflops in report["peak"][f"{dtype}_gflops"].values())
     assert report["steps"]["decode_2x20"]["ms"]["lm_head"] > 0
+
+
+def test_a_profile_takes_the_kv_cache_dtype_and_the_isa_cap_and_floors_the_cache_reads_by_them(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    profile_step.main(["--model", str(tiny_model_dir), "--kv-cache-dtype", "bfloat16", "--cpu-isa", "baseline",
+                       "--decode-batches", "2", "--context", "20", "--prefill", "0", "--steps", "1",
+                       "--num-threads", "1", "--no-scheduler", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert (report["dtype"], report["kv_cache_dtype"], report["cpu_isa_cap"]) == ("float32", "bfloat16", "baseline")
+    assert report["steps"]["decode_2x20"]["ms"]["attention"] > 0
+    model = load_model_config(tiny_model_dir)
+    contexts, scheduled = np.array([300, 500]), np.array([1, 1])
+    bound_by_reads = dict(peak_gflops=1e9, gbps=1.0)  # every floor is the bytes read
+    fp32 = profile_step.floors(model, contexts, scheduled, 4, **bound_by_reads)
+    bf16_cache = profile_step.floors(model, contexts, scheduled, 4, kv_bytes=2, **bound_by_reads)
+    assert bf16_cache["attention"] == fp32["attention"] / 2 and bf16_cache["linears"] == fp32["linears"]

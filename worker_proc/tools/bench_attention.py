@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-seqs", type=int, default=64, help="0: no decode case")
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--cpu-isa", default="", help="the ISA cap every build is compiled under, as `conveyor "
+                                                      "serve --cpu-isa` ('' = all this CPU has)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--decode-tables", type=Path,
                         help="an .npz from scheduler_proc.tools.block_runs: time its steps' decodes instead")
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.num_threads)
     sources = [Path(part) for part in args.sources.split(",") if part]
-    kernels = [PagedAttentionKernel(ctypes.CDLL(str(build(source_dir=s))), s, None) for s in sources]
+    kernels = [PagedAttentionKernel(ctypes.CDLL(str(build(cpu_isa=args.cpu_isa, source_dir=s))), s, None)
+               for s in sources]
     if args.decode_tables:
         for dtype_name in args.dtypes.split(","):
             try:
@@ -201,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "ms": time_block_sizes(kernels[0], kind, DTYPES[dtype_name], args)}), flush=True)
                 continue
             best, diffs = time_builds(kernels, make_case(kind, args, DTYPES[dtype_name]), args)
+            group = args.num_heads // args.num_kv_heads
             rows.append({"dtype": dtype_name, "case": kind,
                          "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
-                         "max_abs_diff_from_first": diffs})
+                         "max_abs_diff_from_first": diffs,
+                         "path": kernels[0].code_path(DTYPES[dtype_name], group, args.head_dim)})
             print(json.dumps(rows[-1]), flush=True)
     return 0
 

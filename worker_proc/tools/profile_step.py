@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from proto.config import DTYPES, KV_CACHE_DTYPE_CHOICES, EngineConfig
+from proto.config import CPU_ISAS, DTYPES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from worker_proc import model as model_module
 from worker_proc import runner as runner_module
 from worker_proc.batch import synthetic_plan
@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="the KV cache's dtype, as `conveyor serve --kv-cache-dtype` (auto: --dtype)")
+    parser.add_argument("--cpu-isa", default="", choices=["", *CPU_ISAS],
+                        help="the ISA cap of the worker's own kernels, as `conveyor serve --cpu-isa` ('' = this "
+                             "CPU); torch's matmuls follow ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY, which the "
+                             "supervisor sets for a capped worker: set them too")
     parser.add_argument("--decode-batches", default="32,64,256")
     parser.add_argument("--context", type=int, default=256, help="tokens of context of each decode")
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill chunk (0 = none)")
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     block_size = 16
     decode_blocks, prefill_blocks = (-(-n // block_size) for n in (args.context + 1, args.prefill))
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          block_size=block_size, num_threads=args.num_threads,
+                          cpu_isa=args.cpu_isa, block_size=block_size, num_threads=args.num_threads,
                           num_kv_blocks=max(max([*batches, 0]) * decode_blocks, prefill_blocks, 1),
                           max_num_batched_tokens=max(args.prefill, 1))
     runner = ModelRunner(config, rank=0, show_progress=False)
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         if num_seqs and not args.no_scheduler:
             steps[name]["scheduler_and_ipc"] = scheduler_side(num_seqs)
         print(f"{name}: {json.dumps(steps[name]['ms'])}", file=sys.stderr)
-    report = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": config.kv_dtype, "torch": torch.__version__,
+    report = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": config.kv_dtype,
+              "cpu_isa_cap": args.cpu_isa or None, "torch": torch.__version__,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "peak": peak, "steps": steps}
     text = json.dumps(report, indent=2)
     print(text)
