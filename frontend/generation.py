@@ -61,6 +61,7 @@ class Generation:
         self._closed = False
         self._arrival_s = arrival_s
         self._last_token_s: list[float | None] = [None] * params.n  # per choice, receive clock
+        self._first_token_s: list[float | None] = [None] * params.n
         self.created_s = int(time.time())  # OpenAI's `created`: wall-clock seconds
 
     @property
@@ -193,11 +194,14 @@ class Generation:
             latency_s = received_s - (self._arrival_s if last_s is None else last_s)
             self._metrics.record_choice_tokens(len(update.token_ids), latency_s, last_s is None)
             self._last_token_s[choice.index] = received_s
+            if last_s is None:
+                self._first_token_s[choice.index] = received_s
         if update.finish_reason and choice.error_code in REFUSAL_ERROR_CODES:
             self._rejected = True  # never ran: not a finished request (a 429 counts as a rejection)
         elif update.finish_reason:
-            self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s,
-                                                 choice.num_tokens)
+            first_s = self._first_token_s[choice.index]
+            self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s, choice.num_tokens,
+                                                 None if first_s is None else received_s - first_s)
 
     def _abort_choice_if_running(self, index: int) -> None:
         """A choice that ended here (a stop string) while the scheduler still runs it: free its

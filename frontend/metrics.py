@@ -133,6 +133,9 @@ class FrontendMetrics:
                                              "Between two token deliveries of one choice.", ITL_BUCKETS_S)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "Request arrival to a choice's end.", REQUEST_BUCKETS_S)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "A choice's mean time per output token after its first (choices of 2 tokens or more).", ITL_BUCKETS_S)
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Queued to first scheduled (scheduler clock).", REQUEST_BUCKETS_S)
         self.request_prefill_time = histogram("request_prefill_time_seconds",
@@ -161,10 +164,14 @@ class FrontendMetrics:
         self.generation_tokens.inc(num_tokens)
         (self.time_to_first_token if first else self.inter_token_latency).observe(latency_s)
 
-    def record_choice_finished(self, finish_reason: FinishReason, e2e_s: float, num_tokens: int) -> None:
+    def record_choice_finished(self, finish_reason: FinishReason, e2e_s: float, num_tokens: int,
+                               decode_s: float | None = None) -> None:
+        """decode_s: from the choice's first token to its end (None: it got no token)."""
         self.request_success.labels(self._model_name, finish_reason).inc()
         self.e2e_request_latency.observe(e2e_s)
         self.request_generation_tokens.observe(num_tokens)
+        if decode_s is not None and num_tokens >= 2:
+            self.request_time_per_output_token.observe(decode_s / (num_tokens - 1))
 
     def record_request_finished(self, num_prompt_tokens: int) -> None:
         self.request_prompt_tokens.observe(num_prompt_tokens)

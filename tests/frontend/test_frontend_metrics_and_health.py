@@ -15,12 +15,12 @@ from frontend.app import create_app
 from frontend.engine_client import ZmqEngineClient
 from frontend.metrics import FrontendMetrics, one_two_five_buckets, power_of_two_buckets
 from proto import codec
-from proto.messages import ERROR_INVALID_REQUEST, ERROR_QUEUE_FULL, SchedulerStats, StepOutputs
+from proto.messages import ERROR_INVALID_REQUEST, ERROR_QUEUE_FULL, FinishReason, SchedulerStats, StepOutputs
 
 pytestmark = pytest.mark.anyio
 
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
-              "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "e2e_request_latency_seconds", "request_time_per_output_token_seconds", "request_queue_time_seconds",
               "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
               "request_generation_tokens", "iteration_tokens_total", "step_duration_seconds",
               "batch_occupancy")
@@ -102,6 +102,7 @@ async def test_known_mix_of_requests_sets_every_counter_and_histogram_count_exac
         "conveyor:time_to_first_token_seconds_count": 4,
         "conveyor:inter_token_latency_seconds_count": sum(generated) - 4,
         "conveyor:e2e_request_latency_seconds_count": 4,
+        "conveyor:request_time_per_output_token_seconds_count": sum(n >= 2 for n in generated),
         "conveyor:request_prompt_tokens_count": 4,
         "conveyor:request_prompt_tokens_sum": sum(prompts),
         "conveyor:request_generation_tokens_count": 4,
@@ -155,6 +156,17 @@ async def test_a_request_the_scheduler_refuses_is_a_rejection_not_a_finished_req
     values = samples((await client.get("/metrics")).text)
     assert values['conveyor:request_success_total{finished_reason="stop"}'] == 1
     assert values["conveyor:e2e_request_latency_seconds_count"] == 1
+
+
+def test_time_per_output_token_is_a_choices_decode_time_over_its_tokens_after_the_first():
+    metrics = FrontendMetrics("tiny")
+    metrics.record_choice_finished(FinishReason.STOP, 2.0, 5, decode_s=1.0)  # 4 tokens in 1 s after the first
+    metrics.record_choice_finished(FinishReason.LENGTH, 2.0, 1, decode_s=0.0)  # one token: no time per token
+    metrics.record_choice_finished(FinishReason.ABORT, 2.0, 0)  # never got a token
+    values = samples(metrics.render().decode())
+    assert values["conveyor:request_time_per_output_token_seconds_count"] == 1
+    assert values["conveyor:request_time_per_output_token_seconds_sum"] == pytest.approx(0.25)
+    assert values["conveyor:e2e_request_latency_seconds_count"] == 3
 
 
 async def test_scheduler_totals_become_counters_that_never_go_backwards():
