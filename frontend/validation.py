@@ -72,9 +72,6 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     `logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too. An
     output constraint is compile-checked by `checker` (skipped without one), once for all prompts."""
     grammar = _check_choices(request, checker)
-    if request.echo and request.stream:
-        raise bad_request("echo is not supported with stream: send stream=false to get the prompt "
-                          "echoed", "echo")
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")

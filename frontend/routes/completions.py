@@ -32,21 +32,36 @@ class CompletionFormat:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._stream_logprobs: dict[int, CompletionLogprobs] = {}  # per choice: running text_offset
+        self._echoed: set[int] = set()  # streamed choices whose first chunk carried the prompt
+        self._echo_only = False
 
     def first_choices(self, generation: Generation) -> list[dict[str, Any]]:
         return []
 
     def chunk_choices(self, generation: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """With echo, a choice's first chunk starts with the prompt (and its logprobs), as vLLM
+        streams it; with echo_only that chunk is all there is (the sampled token is not shown)."""
+        job = generation.job
+        text, token_ids, entries = delta.text, list(delta.token_ids), list(delta.logprobs)
+        if job.echo_only:
+            self._echo_only = True
+            text, token_ids, entries = "", [], []
+        if job.echo_text is not None and delta.index not in self._echoed:
+            self._echoed.add(delta.index)
+            text = job.echo_text + text
+            token_ids[:0] = job.prompt_token_ids
+            entries[:0] = prompt_entries(job.prompt_token_ids, generation.prompt_logprobs)
         logprobs = None
-        if delta.token_ids and generation.choices[delta.index].wants_logprobs:
+        if token_ids and generation.choices[delta.index].wants_logprobs:
             builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer))
-            logprobs = builder.build(delta.token_ids, delta.logprobs)
-        if not delta.text and logprobs is None:
+            logprobs = builder.build(token_ids, entries)
+        if not text and logprobs is None:
             return []
-        return [_choice(delta.index, delta.text, logprobs, None)]
+        return [_choice(delta.index, text, logprobs, None)]
 
     def finish_choice(self, index: int, finish_reason: FinishReason) -> dict[str, Any]:
-        return _choice(index, "", None, finish_reason)
+        """echo_only ends by "length" (its max_tokens, 0, reached), as its final_choice does."""
+        return _choice(index, "", None, FinishReason.LENGTH if self._echo_only else finish_reason)
 
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]:
         """The choice's text and tokens after the echoed prompt; with echo_only the prompt alone,

@@ -188,6 +188,31 @@ async def test_echo_with_max_tokens_0_returns_the_prompt_alone_to_score_it(clien
     assert shape["token_logprobs"][1:] == pytest.approx([prompt_logprob(p) for p in range(1, len(prompt_ids))])
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+@pytest.mark.parametrize("logprobs", [None, 1])
+async def test_a_streamed_echo_carries_what_the_unstreamed_one_does(client, engine, sse, max_tokens, logprobs):
+    """The prompt (and its logprobs) lead each choice's first chunk, as vLLM streams them; joined, the
+    chunks give the unstreamed choice's text, logprobs and finish reason."""
+    body = {"prompt": "The capital", "echo": True, "max_tokens": max_tokens, "logprobs": logprobs, "n": 2}
+    whole = (await client.post("/v1/completions", json=body)).json()["choices"]
+    response = await client.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    events, done = sse(response.text)
+    assert done
+    for index, chunks in by_index(events, "text").items():
+        assert chunks[0]["text"].startswith("The capital")
+        assert "".join(c["text"] for c in chunks) == whole[index]["text"]
+        assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == [whole[index]["finish_reason"]]
+        if logprobs is None:
+            assert all(c["logprobs"] is None for c in chunks)
+            continue
+        joined = {key: [item for c in chunks if c["logprobs"] for item in c["logprobs"][key]]
+                  for key in ("tokens", "token_logprobs", "text_offset")}
+        expected = whole[index]["logprobs"]
+        assert joined["tokens"] == expected["tokens"] and joined["text_offset"] == expected["text_offset"]
+        assert joined["token_logprobs"] == pytest.approx(expected["token_logprobs"], nan_ok=True)
+
+
 async def test_max_tokens_0_without_echo_is_refused_naming_the_limit(client, engine):
     response = await client.post("/v1/completions", json={"prompt": "The capital", "max_tokens": 0})
     assert response.status_code == 400

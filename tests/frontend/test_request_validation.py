@@ -37,7 +37,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logprobs": 21}, "logprobs", "between 0 and 20, got 21"),
     ({"prompt": "x", "logprobs": -1}, "logprobs", "between 0 and 20, got -1"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
-    ({"prompt": "x", "echo": True, "stream": True}, "echo", "not supported with stream"),
     ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3}, "min_tokens", "must be 0 when max_tokens is 0"),
     ({"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, "stream_options",
      "only allowed with stream: true"),
