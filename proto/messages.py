@@ -173,6 +173,7 @@ class WorkerReady:
     pid: int
     generation: int = 0  # the worker group this rank belongs to (EngineConfig.worker_generation)
     dtype: str = ""  # EngineConfig.dtype as this rank's node resolved it; every rank must agree
+    kv_cache_dtype: str = ""  # EngineConfig.kv_dtype, likewise
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class WorkerGroup:
             logger.info("worker rank %d (pid %d) ready with %d KV blocks", ready.rank, ready.pid,
                         ready.num_kv_blocks)
             blocks_by_rank[ready.rank] = ready.num_kv_blocks
-            dtype_by_rank[ready.rank] = ready.dtype
+            dtype_by_rank[ready.rank] = f"{ready.dtype} (KV cache {ready.kv_cache_dtype or ready.dtype})"
             self.pids[ready.rank] = ready.pid
         if self._should_exit():
             return None, ""
@@ -150,8 +150,9 @@ class WorkerGroup:
             return None, f"worker ranks {missing} did not report ready within {timeout_s} s{refused}"
         if len(set(dtype_by_rank.values())) > 1:  # their collectives would fail at the first step
             dtypes = ", ".join(f"rank {rank} {dtype}" for rank, dtype in sorted(dtype_by_rank.items()))
-            return None, (f"worker ranks disagree on the dtype ({dtypes}): --dtype auto decides on each "
-                          f"node by its own CPU; pass the same --dtype on every node")
+            return None, (f"worker ranks disagree on the dtype ({dtypes}): --dtype auto and "
+                          f"--kv-cache-dtype auto decide on each node by its own CPU; pass the same --dtype "
+                          f"and --kv-cache-dtype on every node")
         self.generation = generation
         num_kv_blocks = min(blocks_by_rank.values())
         if num_kv_blocks < 1:

@@ -65,7 +65,8 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int | None = None) -
         context.destroy(linger=FAREWELL_LINGER_MS)
         return 1
     sockets.send(results, WorkerReady(rank=rank, num_kv_blocks=runner.num_kv_blocks, pid=os.getpid(),
-                                      generation=config.worker_generation, dtype=config.dtype))
+                                      generation=config.worker_generation, dtype=config.dtype,
+                                      kv_cache_dtype=config.kv_dtype))
     detail = f"model={config.model} num_kv_blocks={runner.num_kv_blocks} generation={config.worker_generation}"
     sockets.send(control, ProcessReady(name=name, pid=os.getpid(), detail=detail))
     try:

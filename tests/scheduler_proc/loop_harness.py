@@ -46,7 +46,9 @@ class WorkerThread:
         self._thread.start()
 
     def _run(self) -> None:
-        sockets.send(self.results, WorkerReady(self.rank, self.num_blocks, os.getpid(), self.generation, self.dtype))
+        dtype, _, kv_cache_dtype = self.dtype.partition("/")  # "float32/bfloat16": a bf16 KV cache
+        sockets.send(self.results, WorkerReady(self.rank, self.num_blocks, os.getpid(), self.generation, dtype,
+                                               kv_cache_dtype or dtype))
         while not self._stop.is_set():
             frame = sockets.recv_ready(self.plans, 0.05)
             if frame is None or not self.answers:

@@ -236,7 +236,10 @@ def test_missing_worker_ranks_are_named_in_process_failed() -> None:
 
 def test_ranks_that_disagree_on_the_dtype_fail_start_up_naming_each() -> None:
     code, message = start_up_failure(["bfloat16", "float32"])
-    assert code == 1 and "rank 0 bfloat16, rank 1 float32" in message and "same --dtype on every node" in message
+    assert code == 1 and "same --dtype and --kv-cache-dtype on every node" in message
+    assert "rank 0 bfloat16 (KV cache bfloat16), rank 1 float32 (KV cache float32)" in message
+    code, message = start_up_failure(["float32/bfloat16", "float32"])  # --kv-cache-dtype auto on two CPUs
+    assert code == 1 and "rank 0 float32 (KV cache bfloat16), rank 1 float32 (KV cache float32)" in message
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc sockets and prctl are Linux-only here")
