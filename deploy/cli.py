@@ -101,10 +101,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes,
                         help="CPU: KV cache budget per worker, e.g. 2GiB (default 1GiB)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=defaults.kv_cache_dtype,
-                        help="the KV cache's dtype; auto (the default): the model's. bfloat16 under a "
-                             "float32 model holds twice the tokens in the same memory and halves "
-                             "attention's reads; attention then computes in bf16 (fp32 sums), so greedy "
-                             "output can differ from an all-fp32 run")
+                        help="the KV cache's dtype; auto (the default): the model's, except bfloat16 "
+                             "where --dtype auto chose float32 on a CPU without native bf16 (AVX2 and up, "
+                             "with the native attention kernel). bfloat16 under a float32 model holds "
+                             "twice the tokens in the same memory and halves attention's reads; attention "
+                             "then computes in bf16 (fp32 sums), so greedy output can differ from an "
+                             "all-fp32 run")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         help="GPU: share of each GPU's memory for weights, activations and the KV "
                              "cache, which gets what a profiled full-size step leaves (default 0.9)")

@@ -112,17 +112,19 @@ def choose_dtype(requested: str, isa: CpuIsa, on_gpu: bool,
 
 
 def choose_kv_cache_dtype(requested: str, requested_dtype: str, dtype: str, isa: CpuIsa,
-                          on_gpu: bool) -> tuple[str, str]:
+                          on_gpu: bool, attention_backend: str = "auto") -> tuple[str, str]:
     """(kv_cache_dtype, why, '' when it is simply the model's): the decision table of
     --kv-cache-dtype. auto is the model's dtype, except where `--dtype auto` chose float32 on a CPU
     for want of native bf16 matmuls: there the cache is bf16, since attention only loads and
     multiplies what it reads (the native kernel's AVX2 path widens bf16 as it loads), and half the
     bytes per token is twice the context in --kv-cache-memory and half the reads of a decode
     (docs/benchmarks.md "A bf16 KV cache under an fp32 model"). An explicit --dtype float32 keeps
-    an fp32 cache: that run matches Hugging Face exactly."""
+    an fp32 cache: that run matches Hugging Face exactly, and so does --attention-backend torch (the
+    reference would multiply bf16 in emulation there)."""
     if requested != "auto":
         return requested, "" if requested == dtype else f"KV cache {requested} as asked"
-    if requested_dtype == "auto" and dtype == "float32" and not on_gpu and rank(isa.level) >= rank("avx2"):
+    if (requested_dtype == "auto" and dtype == "float32" and not on_gpu and rank(isa.level) >= rank("avx2")
+            and attention_backend in ("auto", "native")):
         return "bfloat16", ("KV cache auto: bfloat16, half of float32's memory and reads per token "
                             "(attention computes in bf16; --kv-cache-dtype float32 keeps fp32)")
     return dtype, ""
@@ -136,7 +138,8 @@ def resolve_dtype(config: EngineConfig, on_gpu: bool, environ: Mapping[str, str]
     isa = cpu_isa(read_cpu_flags() if flags is None else flags,
                   config.cpu_isa or environ.get(CAP_VARIABLE, "").strip())
     dtype, reason = choose_dtype(config.dtype, isa, on_gpu, gpu_capability)
-    kv_dtype, kv_reason = choose_kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, isa, on_gpu)
+    kv_dtype, kv_reason = choose_kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, isa, on_gpu,
+                                                config.attention_backend)
     return config.with_updates(dtype=dtype, kv_cache_dtype=kv_dtype,
                                dtype_reason="; ".join(filter(None, (reason, kv_reason))),
                                cpu_isa=isa.level if isa.capped else "")

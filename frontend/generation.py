@@ -199,9 +199,9 @@ class Generation:
         if update.finish_reason and choice.error_code in REFUSAL_ERROR_CODES:
             self._rejected = True  # never ran: not a finished request (a 429 counts as a rejection)
         elif update.finish_reason:
-            first_s = self._first_token_s[choice.index]
+            first_s, last_s = self._first_token_s[choice.index], self._last_token_s[choice.index]
             self._metrics.record_choice_finished(update.finish_reason, received_s - self._arrival_s, choice.num_tokens,
-                                                 None if first_s is None else received_s - first_s)
+                                                 None if first_s is None or last_s is None else last_s - first_s)
 
     def _abort_choice_if_running(self, index: int) -> None:
         """A choice that ended here (a stop string) while the scheduler still runs it: free its

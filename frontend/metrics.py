@@ -166,7 +166,8 @@ class FrontendMetrics:
 
     def record_choice_finished(self, finish_reason: FinishReason, e2e_s: float, num_tokens: int,
                                decode_s: float | None = None) -> None:
-        """decode_s: from the choice's first token to its end (None: it got no token)."""
+        """decode_s: from the choice's first token to its last (None: it got no token); an abort's
+        wait after its last token is not time per token."""
         self.request_success.labels(self._model_name, finish_reason).inc()
         self.e2e_request_latency.observe(e2e_s)
         self.request_generation_tokens.observe(num_tokens)

@@ -148,7 +148,9 @@ class WorkerGroup:
             refused = (f"; {num_refused} peers were refused for a CURVE key that is not this "
                        "deployment's (--transport-keys)" if num_refused else "")
             return None, f"worker ranks {missing} did not report ready within {timeout_s} s{refused}"
-        if len(set(dtype_by_rank.values())) > 1:  # their collectives would fail at the first step
+        # Ranks of different dtypes would fail at the first collective; of different KV dtypes they
+        # would compute each head group's attention differently and hold different context per GiB.
+        if len(set(dtype_by_rank.values())) > 1:
             dtypes = ", ".join(f"rank {rank} {dtype}" for rank, dtype in sorted(dtype_by_rank.items()))
             return None, (f"worker ranks disagree on the dtype ({dtypes}): --dtype auto and "
                           f"--kv-cache-dtype auto decide on each node by its own CPU; pass the same --dtype "

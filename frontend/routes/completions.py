@@ -46,7 +46,7 @@ class CompletionFormat:
         if job.echo_only:
             self._echo_only = True
             text, token_ids, entries = "", [], []
-        if job.echo_text is not None and delta.index not in self._echoed:
+        if job.echo_text is not None and delta.index not in self._echoed and delta.token_ids:  # not a failure
             self._echoed.add(delta.index)
             text = job.echo_text + text
             token_ids[:0] = job.prompt_token_ids

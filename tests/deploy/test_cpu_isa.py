@@ -120,6 +120,13 @@ def test_kv_cache_dtype_auto_is_the_models_except_under_an_auto_float32_cpu_mode
     assert ("KV cache" in config.dtype_reason) == (expected != config.dtype)
 
 
+def test_kv_cache_dtype_auto_keeps_fp32_for_the_torch_reference() -> None:
+    """The reference would multiply bf16 in emulation on such a CPU; the native kernel widens it."""
+    for backend, expected in [("torch", "float32"), ("native", "bfloat16"), ("auto", "bfloat16")]:
+        config = resolve_dtype(EngineConfig(attention_backend=backend), on_gpu=False, environ={}, flags=ZEN3)
+        assert config.kv_cache_dtype == expected, backend
+
+
 def test_kv_cache_dtype_auto_on_a_gpu_is_the_models() -> None:
     assert choose_kv_cache_dtype("auto", "auto", "float32", cpu_isa(ZEN3), on_gpu=True) == ("float32", "")
     assert choose_kv_cache_dtype("auto", "auto", "bfloat16", cpu_isa(ZEN3), on_gpu=True) == ("bfloat16", "")

@@ -136,9 +136,21 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend
         seqs[0].token_ids.append(12)
         second = runner.logits_for_all_tokens(make_plan(seqs, [1, 1], pool, step_id=1))  # a decode, the chunk's end
         logits.append(torch.cat([first, second]))
-    assert logits[1].dtype == torch.float32
     torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.05)
     assert not torch.equal(logits[1], logits[0])  # the cache rounds K and V to bf16
+
+
+def test_a_bfloat16_cache_that_the_reference_would_attend_in_emulation_is_warned_of(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from worker_proc import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "cpu_prepack_supported", lambda dtype: dtype != torch.bfloat16)  # no bf16
+    for kv_cache_dtype, backend, warned in [("bfloat16", "torch", True), ("bfloat16", "native", False),
+                                            ("float32", "torch", False)]:
+        caplog.clear()
+        ModelRunner(tiny_engine_config(tiny_model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=backend),
+                    rank=0, show_progress=False)
+        assert ("--kv-cache-dtype float32" in caplog.text) == warned, (kv_cache_dtype, backend)
 
 
 def test_config_accepts_old_and_new_rope_formats() -> None:

@@ -57,7 +57,8 @@ def test_worker_handshakes_then_answers_plans_and_survives_bad_frames(
     config = tiny_engine_config(tiny_model_dir, runtime_dir=runtime_dir, num_threads=1)
     proc = subprocess.Popen(worker_argv(config), cwd=ROOT)
     try:
-        assert side.receive(side.results) == WorkerReady(rank=0, num_kv_blocks=64, pid=proc.pid, dtype="float32")
+        assert side.receive(side.results) == WorkerReady(rank=0, num_kv_blocks=64, pid=proc.pid, dtype="float32",
+                                                         kv_cache_dtype="float32")
         ready = side.receive(side.control)
         assert isinstance(ready, ProcessReady) and ready.name == "worker0" and ready.pid == proc.pid
         side.plans.send(b"\x93not a message")

@@ -141,7 +141,7 @@ def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: int,
     kernel = flash.load_flash_kernel() if device.type == "cuda" and half else None
     if kernel is None:
         reason = (f"needs a CUDA device, the worker runs on {device.type}" if device.type != "cuda"
-                  else f"needs bfloat16 or float16, the model runs in {dtype}" if not half
+                  else f"needs bfloat16 or float16, attention runs in {dtype} (the KV cache's dtype)" if not half
                   else "flash-attn is not installed")
         if explicit:
             raise AttentionBackendError(f"--attention-backend flash: {reason}")

@@ -48,7 +48,7 @@ class NativeMetadata:
 
 class NativePagedAttention:
     """Same results as the reference within rounding: fp32 softmax, scores and products in fp32
-    (bf16 inputs multiply exactly), probabilities rounded to the model's dtype before p.v. Which
+    (bf16 inputs multiply exactly), probabilities rounded to the cache's dtype before p.v. Which
     code path runs (and whether auto picks this backend at all) is the selector's choice."""
 
     gathers_context = False

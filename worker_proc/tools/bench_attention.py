@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from proto.config import CPU_ISAS
 from worker_proc.attention.native_build import SOURCE_DIR, build
 from worker_proc.attention.native_kernel import PagedAttentionKernel
 
@@ -160,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-seqs", type=int, default=64, help="0: no decode case")
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--num-threads", type=int, default=2)
-    parser.add_argument("--cpu-isa", default="", help="the ISA cap every build is compiled under, as `conveyor "
-                                                      "serve --cpu-isa` ('' = all this CPU has)")
+    parser.add_argument("--cpu-isa", default="", choices=["", *CPU_ISAS], help="the ISA cap every build is compiled under, as `conveyor "
+                                                      "serve --cpu-isa` ('' = all this CPU has; a level "
+                                                      "above it builds code this CPU cannot run)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--decode-tables", type=Path,
                         help="an .npz from scheduler_proc.tools.block_runs: time its steps' decodes instead")
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"dtype": dtype_name, "case": kind,
                          "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
                          "max_abs_diff_from_first": diffs,
-                         "path": kernels[0].code_path(DTYPES[dtype_name], group, args.head_dim)})
+                         "path": {str(s): k.code_path(DTYPES[dtype_name], group, args.head_dim)
+                                  for s, k in zip(sources, kernels)}})
             print(json.dumps(rows[-1]), flush=True)
     return 0
 
