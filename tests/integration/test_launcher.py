@@ -89,9 +89,14 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: i
     command = [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--port", str(port),
                "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1",
                "--max-num-seqs", "4", "--shutdown-timeout", "5"]
-    ignore_hangups = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    # The server's SIGHUP as under nohup, or as from a terminal whatever this runner inherited (a
+    # suite started under nohup passes SIG_IGN down to every child).
+    hangups = signal.SIG_IGN if nohup else signal.SIG_DFL
+
+    def set_hangups() -> None:
+        signal.signal(signal.SIGHUP, hangups)
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, preexec_fn=ignore_hangups)
+                              text=True, preexec_fn=set_hangups)
     try:
         deadline = time.monotonic() + 120
         while health_status(f"http://127.0.0.1:{port}") != 200:
