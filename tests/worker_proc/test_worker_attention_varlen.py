@@ -116,5 +116,6 @@ def test_explicit_flash_that_cannot_run_fails_with_the_reason_even_when_installe
         flash_installed: None) -> None:
     with pytest.raises(AttentionBackendError, match="flash: needs a CUDA device, the worker runs on cpu"):
         attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, "flash")
-    with pytest.raises(AttentionBackendError, match="flash: needs bfloat16 or float16, the model runs in"):
+    with pytest.raises(AttentionBackendError,
+                       match=r"flash: needs bfloat16 or float16, attention runs in torch.float32 \(the KV cache"):
         attention_backend_for(torch.device("cuda"), torch.float32, 16, "flash")
