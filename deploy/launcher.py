@@ -35,6 +35,7 @@ from deploy.placement import check_transport
 from deploy.children import Child, ExitWatch, StartupError
 from deploy.replacement import Replacements
 from deploy.restarts import RestartBudget
+from deploy.runtime_dirs import make_owned_runtime_dir, remove_stale_runtime_dirs
 from proto import codec, sockets
 from proto.config import API_KEY_ENV, EngineConfig
 from proto.errors import ProtocolError, ValidationError
@@ -100,7 +101,11 @@ class Stack(Replacements):
         if not gpus:
             log.info("CPU workers' allocator: %s (CONVEYOR_MALLOC=system|tcmalloc|auto)", malloc)
         if self._owns_runtime_dir:
-            self.config = self.config.with_updates(runtime_dir=sockets.make_runtime_dir())
+            stale = remove_stale_runtime_dirs()
+            if stale:
+                log.info("removed %d runtime directories of supervisors that are gone: %s", len(stale),
+                         ", ".join(str(path) for path in stale))
+            self.config = self.config.with_updates(runtime_dir=make_owned_runtime_dir())
         self._context = zmq.Context()
         self._control = sockets.bind(self._context, zmq.PULL, self.config.runtime_dir, sockets.CONTROL,
                                      sockets.max_frame_bytes(self.config))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from support import children_of, free_port, tiny_config
 
 from deploy.allocator import find_tcmalloc
 from deploy.launcher import Stack, StartupError
+from deploy.runtime_dirs import OWNER_FILE
 from proto.processes import process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +131,36 @@ def test_conveyor_serve_stops_cleanly_on_sigterm(tiny_model_dir: Path, signum: i
     assert f"received {signal.Signals(signum).name}; draining" in output
     assert not any(process_alive(pid) for pid in children)
 
+
+
+def test_a_sigkilled_supervisors_runtime_dir_is_removed_when_the_next_one_starts(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--port", str(port),
+                               "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while health_status(f"http://127.0.0.1:{port}") != 200:
+            assert server.poll() is None and time.monotonic() < deadline, "conveyor serve did not start"
+            time.sleep(0.3)
+        owned = [path.parent for path in Path(tempfile.gettempdir()).glob(f"conveyor-*/{OWNER_FILE}")
+                 if path.read_text() == str(server.pid)]
+        assert len(owned) == 1 and (owned[0] / "control.sock").exists()
+        children = children_of(server.pid)
+        server.kill()  # no cleanup runs: the directory and its socket files stay behind
+        server.wait()
+        deadline = time.monotonic() + 30  # the children follow their supervisor out
+        while any(process_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert owned[0].exists()
+        with Stack(tiny_config(tiny_model_dir), log_dir=tmp_path):
+            assert not owned[0].exists()
+    finally:
+        for pid in [server.pid, *children]:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.cpu_workers

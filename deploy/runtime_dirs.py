@@ -1,0 +1,50 @@
+"""The supervisor's runtime directory (its ipc:// socket files) carries the supervisor's pid, so that
+the directories of supervisors that are gone (SIGKILLed: their own cleanup never ran) are removed
+at the next start on the machine instead of piling up in the temp directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from proto import sockets
+
+OWNER_FILE = "supervisor.pid"
+
+
+def make_owned_runtime_dir() -> str:
+    """A fresh private runtime directory (sockets.make_runtime_dir) naming this process its owner."""
+    path = sockets.make_runtime_dir()
+    Path(path, OWNER_FILE).write_text(str(os.getpid()))
+    return path
+
+
+def remove_stale_runtime_dirs(base: Path | None = None) -> list[Path]:
+    """Remove this user's conveyor-* directories in base (default: the temp directory) whose owner
+    process no longer exists; returns them. A directory without an owner file (one a test or a
+    tool made, or one whose supervisor is still writing it) or with a live owner is left alone."""
+    base = Path(tempfile.gettempdir()) if base is None else base
+    removed = []
+    for path in sorted(base.glob("conveyor-*")):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            owner = int((path / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has that pid now
+        return True
+    return True
