@@ -1,11 +1,14 @@
 """The supervisor's runtime directory (its ipc:// socket files) carries the supervisor's pid, so that
 the directories of supervisors that are gone (SIGKILLed: their own cleanup never ran) are removed
-at the next start on the machine instead of piling up in the temp directory."""
+at the next start on the machine instead of piling up in the temp directory. Gone means both: no
+process has that pid here, and nothing listens on the directory's control socket (a supervisor of
+another PID namespace sharing the temp directory still does)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -34,10 +37,22 @@ def remove_stale_runtime_dirs(base: Path | None = None) -> list[Path]:
             owner = int((path / OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue
-        if not _alive(owner):
+        if not _alive(owner) and not _listening(path / f"{sockets.CONTROL}.sock"):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket at path."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def _alive(pid: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +32,21 @@ def test_only_directories_whose_owner_is_gone_are_removed(tmp_path: Path) -> Non
     unowned = runtime_dir(tmp_path, "unowned", None)  # a test's or a tool's, or one being made
     garbled = runtime_dir(tmp_path, "garbled", None)
     (garbled / OWNER_FILE).write_text("not a pid")
+    listened = runtime_dir(tmp_path, "listened", a_dead_pid())  # another PID namespace's live supervisor
+    (listened / "control.sock").unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(listened / "control.sock"))
+    listener.listen()
     other = tmp_path / "other-dir"
     other.mkdir()
     (other / OWNER_FILE).write_text(str(a_dead_pid()))
-    assert remove_stale_runtime_dirs(tmp_path) == [gone]
-    assert not gone.exists() and live.exists() and unowned.exists() and garbled.exists() and other.exists()
-    assert remove_stale_runtime_dirs(tmp_path) == []
+    try:
+        assert remove_stale_runtime_dirs(tmp_path) == [gone]
+        assert not gone.exists() and all(path.exists() for path in (live, unowned, garbled, listened, other))
+        assert remove_stale_runtime_dirs(tmp_path) == []
+    finally:
+        listener.close()
+    assert remove_stale_runtime_dirs(tmp_path) == [listened]  # nothing listens there any more
 
 
 def test_the_supervisors_runtime_dir_names_it_and_is_private() -> None:
