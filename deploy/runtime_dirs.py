@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from proto import sockets
+from proto.processes import process_alive
 
 OWNER_FILE = "supervisor.pid"
 
@@ -37,7 +38,7 @@ def remove_stale_runtime_dirs(base: Path | None = None) -> list[Path]:
             owner = int((path / OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue
-        if not _alive(owner) and not _listening(path / f"{sockets.CONTROL}.sock"):
+        if not process_alive(owner) and not _listening(path / f"{sockets.CONTROL}.sock"):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -52,14 +53,4 @@ def _listening(path: Path) -> bool:
         return False
     finally:
         probe.close()
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process has that pid now
-        return True
     return True

@@ -42,15 +42,13 @@ class CompletionFormat:
         """With echo, a choice's first chunk starts with the prompt (and its logprobs), as vLLM
         streams it; with echo_only that chunk is all there is (the sampled token is not shown)."""
         job = generation.job
-        text, token_ids, entries = delta.text, list(delta.token_ids), list(delta.logprobs)
-        if job.echo_only:
-            self._echo_only = True
-            text, token_ids, entries = "", [], []
+        self._echo_only = job.echo_only
+        text, token_ids, entries = ("", [], []) if job.echo_only else (delta.text, delta.token_ids, delta.logprobs)
         if job.echo_text is not None and delta.index not in self._echoed and delta.token_ids:  # not a failure
             self._echoed.add(delta.index)
             text = job.echo_text + text
-            token_ids[:0] = job.prompt_token_ids
-            entries[:0] = prompt_entries(job.prompt_token_ids, generation.prompt_logprobs)
+            token_ids = [*job.prompt_token_ids, *token_ids]
+            entries = [*prompt_entries(job.prompt_token_ids, generation.prompt_logprobs), *entries]
         logprobs = None
         if token_ids and generation.choices[delta.index].wants_logprobs:
             builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer))

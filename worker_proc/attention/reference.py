@@ -91,9 +91,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     """q: [num_members, num_heads, head_dim] -> same shape.
 
     Two matmuls in the cache's dtype (the model's unless --kv-cache-dtype differs), the softmax in
-    fp32; fp32 stays fp32 throughout. On
-    bf16 models this skips fp32 SDPA's cast copy of K/V, and rounding the scores to bf16 costs no
-    measurable accuracy: SmolLM2-135M's next-token KL to its fp32 self is 0.0011 either way."""
+    fp32; fp32 stays fp32 throughout. In bf16 this skips fp32 SDPA's cast copy of K/V, and rounding
+    the scores to bf16 costs no measurable accuracy: SmolLM2-135M's next-token KL to its fp32 self is 0.0011 either way."""
     num_members, context = group.slots.shape
     num_kv_heads, _, head_dim = k_cache.shape
     flat_slots = group.slots.view(-1)

@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-seqs", type=int, default=64, help="0: no decode case")
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--num-threads", type=int, default=2)
-    parser.add_argument("--cpu-isa", default="", choices=["", *CPU_ISAS], help="the ISA cap every build is compiled under, as `conveyor "
-                                                      "serve --cpu-isa` ('' = all this CPU has; a level "
-                                                      "above it builds code this CPU cannot run)")
+    parser.add_argument("--cpu-isa", default="", choices=["", *CPU_ISAS],
+                        help="the ISA cap every build is compiled under, as `conveyor serve --cpu-isa` ('' = "
+                             "all this CPU has; a level above it builds code this CPU cannot run)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--decode-tables", type=Path,
                         help="an .npz from scheduler_proc.tools.block_runs: time its steps' decodes instead")
