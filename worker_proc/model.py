@@ -42,8 +42,10 @@ class Attention(nn.Module):
         self.fused: FusedCpuOps | None = None  # set by pack_for_cpu where it serves (fp32 CPU)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size], or [len(rows), hidden_size]:
+        every token's K and V go to the cache, but only these rows' outputs are projected."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads,
                                          self.head_dim)
@@ -60,6 +62,10 @@ class Attention(nn.Module):
         if cache_dtype != q.dtype:  # --kv-cache-dtype other than the model's: attend in the cache's
             q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads * dim]
+        if rows is not None:
+            out = out[rows]
+            if not len(rows):  # every rank alike: the all-reduce is skipped on all of them
+                return hidden.new_empty(0, hidden.shape[1])
         return self.o_proj(out.to(hidden.dtype))
 
 
@@ -89,14 +95,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 signed_sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm)."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm).
+        With rows, both hold only those token rows, in that order (see LlamaForCausalLM.forward)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, cos, signed_sin, meta, kv_cache)
+        hidden = self.self_attn(hidden, cos, signed_sin, meta, kv_cache, rows)
+        if rows is not None:
+            residual = residual[rows]
+            if not len(rows):
+                return hidden, residual
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -145,13 +157,23 @@ class LlamaForCausalLM(nn.Module):
                                   skinny=skinny)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: KVCaches) -> torch.Tensor:
-        """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
+                kv_caches: KVCaches, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden_size].
+
+        rows: int64, the token rows whose hidden state the caller wants (the LM head's), in the
+        order wanted -> hidden [len(rows), hidden_size]. The last layer then attends for every token
+        (its K and V are cached) but runs its output projection and MLP only for these rows: a
+        prompt chunk, whose rows but the last are never sampled, skips most of one layer's matmuls.
+        """
         hidden = self.model.embed_tokens(input_ids)
         cos, signed_sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, signed_sin, meta, kv_cache)
+        last = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            hidden, residual = layer(hidden, residual, cos, signed_sin, meta, kv_cache,
+                                     rows if i == last else None)
+        if not len(hidden):
+            return hidden
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
 

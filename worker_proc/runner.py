@@ -133,12 +133,16 @@ class ModelRunner:
         with nothing. The LM head runs only for sampling rows and prompt-logprob rows."""
         if plan.num_seqs == 0:
             return empty_result(plan.step_id, self.rank)
-        batch, hidden = self._forward(plan)
+        batch = self._batch(plan)
         targets = prompt_targets(plan)
         rows = torch.cat([batch.logits_indices, torch.from_numpy(targets.token_rows).to(self.device)])
+        if len(rows) < len(batch.input_ids):  # the last layer's MLP only for the rows the LM head reads
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_views, rows)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_views)[rows]
         if not len(rows):
             return empty_result(plan.step_id, self.rank)
-        logits = self.model.compute_logits(hidden[rows]).cpu()  # float32 [rows, vocab]; collective
+        logits = self.model.compute_logits(hidden).cpu()  # float32 [rows, vocab]; collective
         if self.rank != 0:
             return empty_result(plan.step_id, self.rank)
         return self._answer(plan, batch, targets, logits)
@@ -178,14 +182,13 @@ class ModelRunner:
     def logits_for_all_tokens(self, plan: StepPlan) -> torch.Tensor:
         """Run the step like execute (its K/V are cached) but return float32 [num_tokens, vocab]
         logits for every token and sample nothing: the parity tests' view of the model."""
-        _, hidden = self._forward(plan)
+        batch = self._batch(plan)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_views)
         return self.model.compute_logits(hidden).cpu()
 
-    def _forward(self, plan: StepPlan) -> tuple[StepBatch, torch.Tensor]:
-        batch = build_step_batch(plan, self.config.block_size, self.num_kv_blocks,
-                                 self.attention).to(self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_views)
-        return batch, hidden
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        return build_step_batch(plan, self.config.block_size, self.num_kv_blocks,
+                                self.attention).to(self.device)
 
 
 def empty_result(step_id: int, rank: int) -> StepResult:

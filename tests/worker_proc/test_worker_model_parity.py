@@ -130,3 +130,31 @@ def test_greedy_decoding_matches_hf_generate_for_20_tokens(variant: tuple[Path, 
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                               pad_token_id=0)
         assert seq.token_ids == out[0].tolist()
+
+
+def test_the_last_layers_mlp_runs_only_for_the_rows_the_lm_head_reads(variant: tuple[Path, torch.nn.Module]) -> None:
+    """A step's last layer caches every token's K and V but projects and runs its MLP only for the
+    sampling rows; a chunk in mid-prompt samples nothing and skips that MLP. The tokens sampled
+    after such steps still equal HF's greedy choice, so the K/V they cached are whole."""
+    model_dir, hf = variant
+    runner = ModelRunner(tiny_engine_config(model_dir), rank=0, show_progress=False)
+    seen: dict[str, list[int]] = {"first": [], "last": []}
+    layers = runner.model.model.layers
+    layers[0].mlp.register_forward_hook(lambda _m, args, _o: seen["first"].append(args[0].shape[0]))
+    layers[-1].mlp.register_forward_hook(lambda _m, args, _o: seen["last"].append(args[0].shape[0]))
+    pool = BlockPool(64, block_size=4)
+    seqs = [Seq(f"r{i}", p) for i, p in enumerate(prompts([7, 13, 9], seed=11))]
+    steps = [[7, 5, 9], [1, 5, 1], [1, 3, 1]]  # r1's prompt in three chunks; r0 and r2 decode
+    for step, scheduled in enumerate(steps):
+        plan = make_plan(seqs, scheduled, pool, step)
+        advance(seqs, scheduled, plan, runner.execute(plan))
+    assert seen["first"] == [21, 7, 5]
+    assert seen["last"] == [2, 2, 3]  # r0, r2 (r1 mid-prompt); then all three sample
+    for seq in seqs:
+        prompt_len = len(seq.token_ids) - 1
+        expected = int(hf_logits(hf, seq.token_ids[:prompt_len])[-1].argmax())
+        assert seq.token_ids[-1] == expected, seq.request_id
+    alone = Seq("alone", prompts([10], seed=12)[0])
+    plan = make_plan([alone], [6], pool, step_id=9)  # nothing samples: the last MLP is skipped
+    assert runner.execute(plan).sampled_token_ids.size == 0
+    assert seen["last"] == [2, 2, 3]
