@@ -64,6 +64,10 @@ class ModelRunner:
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):
             self.model.pack_for_cpu(skinny_linear_for(dtype, config.cpu_isa),
                                     fused_cpu_ops_for(dtype, config.cpu_isa))
+            packed = [m.skinny for m in self.model.modules() if getattr(m, "skinny", None) is not None]
+            if any(weight.widened for weight in packed):
+                log.info("linears: %d of %d weights kept as bf16, which holds every value of them exactly; "
+                         "widened to fp32 as they load", sum(w.widened for w in packed), len(packed))
         gpu_budget = None
         if self.device.type == "cuda" and not config.num_kv_blocks:
             gpu_budget = self._gpu_kv_budget()

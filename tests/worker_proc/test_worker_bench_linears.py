@@ -22,4 +22,5 @@ def test_it_reports_every_shape_and_the_step() -> None:
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["shape"] for line in lines] == ["qkv", "o", "gate_up", "down", "lm_head", "step"]
     assert all(line["rows"] == 2 and line["speedup"] > 0 for line in lines)
-    assert lines[-1]["onednn_ms"] > 0 and lines[-1]["skinny_ms"] > 0
+    assert lines[-1]["onednn_ms"] > 0 and lines[-1]["skinny_ms"] > 0 and lines[-1]["skinny_wide_ms"] > 0
+    assert all(line["wide_speedup"] > 0 for line in lines)  # fp32: bf16 panels beside the fp32 ones

@@ -22,17 +22,20 @@ VARIANTS = {
     "qwen3": ("qwen3", {}),  # per-head q/k RMSNorm
     "tied_llama": ("llama", {"tie_word_embeddings": True}),
     "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "bf16_checkpoint": ("llama", {}),  # served in fp32: the skinny linear keeps its weights as bf16
 }
 
 
-def randomize_vectors(model_dir: Path) -> None:
-    """The fixture leaves biases at 0 and norm weights at 1, which would hide a mis-loaded one."""
+def randomize_vectors(model_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+    """The fixture leaves biases at 0 and norm weights at 1, which would hide a mis-loaded one.
+    dtype: of the saved checkpoint (bf16, as the default model's is, then loaded in fp32)."""
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))
     generator = torch.Generator().manual_seed(1)
     for name, tensor in tensors.items():
         if tensor.dim() == 1:
-            tensors[name] = tensor + 0.2 * torch.randn(tensor.shape, generator=generator)
+            tensor = tensor + 0.2 * torch.randn(tensor.shape, generator=generator)
+        tensors[name] = tensor.to(dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -43,7 +46,7 @@ def variant(request: pytest.FixtureRequest,
 
     arch, overrides = VARIANTS[request.param]
     model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    randomize_vectors(model_dir)
+    randomize_vectors(model_dir, torch.bfloat16 if request.param == "bf16_checkpoint" else torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return model_dir, hf
 
@@ -158,3 +161,16 @@ def test_the_last_layers_mlp_runs_only_for_the_rows_the_lm_head_reads(variant: t
     plan = make_plan([alone], [6], pool, step_id=9)  # nothing samples: the last MLP is skipped
     assert runner.execute(plan).sampled_token_ids.size == 0
     assert seen["last"] == [2, 2, 3]
+
+
+def test_a_bf16_checkpoint_served_in_fp32_keeps_its_weights_as_bf16_where_the_kernel_serves(
+        variant: tuple[Path, torch.nn.Module]) -> None:
+    """The parity tests above hold for the bf16_checkpoint variant through the widening kernel."""
+    from worker_proc.layers.skinny import skinny_linear_for
+
+    model_dir, _ = variant
+    runner = ModelRunner(tiny_engine_config(model_dir), rank=0, show_progress=False)
+    packed = [m.skinny for m in runner.model.modules() if getattr(m, "skinny", None) is not None]
+    if skinny_linear_for(torch.float32, "") is None:
+        pytest.skip("no skinny linear here (needs AVX2 + FMA and the native library)")
+    assert packed and all(weight.widened == (model_dir.name.startswith("bf16_checkpoint")) for weight in packed)

@@ -82,12 +82,40 @@ def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> Non
     packed = kernel.pack(torch.randn(8, 16))
     with pytest.raises(ValueError, match="fp32 x"):
         packed(torch.randn(2, 16, dtype=torch.bfloat16), None)
-    with pytest.raises(ValueError, match=r"fp32 x \[m, 16\] and contiguous fp32 panels \[1, 16, 16\] of a weight \[8, 16\], got x torch.float32 \(2, 12\)"):
+    with pytest.raises(ValueError, match=r"fp32 x \[m, 16\] and contiguous fp32 \(or bf16, pack_wide_panels\) "
+                                         r"panels \[1, 16, 16\] of a weight \[8, 16\], got x torch.float32 \(2, 12\)"):
         packed(torch.randn(2, 12), None)
     with pytest.raises(ValueError, match=r"bias \[8\]"):
         packed(torch.randn(2, 16), torch.randn(9))
     with pytest.raises(ValueError, match=r"fp32 weight \[n, k\]"):
         kernel.pack(torch.randn(8, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 64, 256, 257, 611])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 600), (7, 13), (24, 3100)])
+def test_a_weight_bf16_holds_exactly_is_kept_as_bf16_and_gives_the_same_bits(
+        kernel: skinny.SkinnyLinear, rows: int, out_features: int, in_features: int) -> None:
+    """A bf16 checkpoint served in fp32: the kernel keeps the weight's panels in bf16, half the
+    bytes, and widening them as they load changes no bit of the product, bias and strided rows too."""
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16().float()
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features + 5, generator=generator)[:, 3:3 + in_features]  # rows apart
+    kept = kernel.pack(weight)
+    assert kept.widened and kept.panels.dtype == torch.bfloat16
+    as_fp32 = skinny.SkinnyWeight(kernel, skinny.pack_panels(weight), out_features)
+    assert kept.panels.nbytes * 2 == as_fp32.panels.nbytes
+    assert torch.equal(kept(x, bias), as_fp32(x, bias))
+    torch.testing.assert_close(kept(x, None), F.linear(x.double(), weight.double()).float(), rtol=1e-5, atol=1e-3)
+
+
+def test_a_weight_bf16_cannot_hold_keeps_fp32_panels(kernel: skinny.SkinnyLinear) -> None:
+    weight = torch.randn(40, 64).bfloat16().float()
+    weight[3, 5] += 2.0 ** -20  # one value between two bf16 values
+    kept = kernel.pack(weight)
+    assert not kept.widened and kept.panels.dtype == torch.float32
+    x = torch.randn(9, 64)
+    torch.testing.assert_close(kept(x, None), F.linear(x.double(), weight.double()).float(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("x", [torch.randn(16, 3).t(), torch.randn(16, 1).t(), torch.randn(1, 40)[:, 8:24]],

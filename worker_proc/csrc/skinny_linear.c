@@ -58,15 +58,23 @@ static inline void store16(float *dst, int n_valid, __m256 lo, __m256 hi) {
  * block only) is added too. x is a packed group: row i's input t at x[t * MR + i]. mr is a constant
  * at each call, so the accumulators stay in registers; only n_valid of the 16 features are written. */
 static inline __attribute__((always_inline)) void tile(const float *x, int mr,
-                                                       const float *panel, int64_t kc, float *y,
+                                                       const void *panel, int64_t kc, float *y,
                                                        int64_t y_stride, int n_valid, int first,
-                                                       const float *bias) {
+                                                       const float *bias, const int W16) {
     __m256 lo[MR], hi[MR];
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++)
         lo[i] = hi[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < kc; t++) {
-        __m256 w0 = _mm256_loadu_ps(panel + t * PANEL), w1 = _mm256_loadu_ps(panel + t * PANEL + 8);
+        __m256 w0, w1;
+        if (W16) {  /* bf16 is the top half of an fp32: interleave each under a zero half */
+            __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + t * PANEL));
+            w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w));
+            w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
+        } else {
+            w0 = _mm256_loadu_ps((const float *)panel + t * PANEL);
+            w1 = _mm256_loadu_ps((const float *)panel + t * PANEL + 8);
+        }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             __m256 xv = _mm256_broadcast_ss(x + t * MR + i);
@@ -95,19 +103,20 @@ static inline __attribute__((always_inline)) void tile(const float *x, int mr,
 /* Every row of x against one k block of one panel, MR rows at a time (the last block shorter);
  * x packed as in tile, a group of MR rows mr_step apart. */
 static inline __attribute__((always_inline)) void rows_by_panel(const float *x, int64_t mr_step, int64_t m,
-                                                                const float *panel,
+                                                                const void *panel,
                                                                 int64_t kc, float *y, int64_t y_stride,
-                                                                int n_valid, int first, const float *bias) {
+                                                                int n_valid, int first, const float *bias,
+                                                                const int W16) {
     for (int64_t m0 = 0; m0 < m; m0 += MR) {
         const float *xr = x + m0 / MR * mr_step;
         float *yr = y + m0 * y_stride;
         switch (m - m0 < MR ? (int)(m - m0) : MR) {
-        case 1: tile(xr, 1, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 2: tile(xr, 2, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 3: tile(xr, 3, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 4: tile(xr, 4, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        case 5: tile(xr, 5, panel, kc, yr, y_stride, n_valid, first, bias); break;
-        default: tile(xr, MR, panel, kc, yr, y_stride, n_valid, first, bias); break;
+        case 1: tile(xr, 1, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
+        case 2: tile(xr, 2, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
+        case 3: tile(xr, 3, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
+        case 4: tile(xr, 4, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
+        case 5: tile(xr, 5, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
+        default: tile(xr, MR, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
         }
     }
 }
@@ -131,8 +140,11 @@ static void pack_rows(const float *x, int64_t x_stride, int64_t m0, int64_t m1, 
  * most MC rows one at a time, so that one whose core another process takes for a while (the
  * frontend, the scheduler) holds up the call by a block instead of half of it; the block count is
  * a multiple of the thread count, so that on a quiet machine each thread gets as many rows. */
-static int packed_rows(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                       int64_t m, int64_t n, int64_t k, int num_threads) {
+static inline __attribute__((always_inline)) int packed_rows(const float *x, int64_t x_stride,
+                                                             const void *panels, const float *bias,
+                                                             float *y, int64_t m, int64_t n, int64_t k,
+                                                             int num_threads, const int W16) {
+    const int bytes = W16 ? 2 : 4;
     int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR, claimed = 0;
     int64_t blocks = (m + MC - 1) / MC;
     blocks = (blocks + num_threads - 1) / num_threads * num_threads;
@@ -156,8 +168,8 @@ static int packed_rows(const float *x, int64_t x_stride, const float *panels, co
                     int64_t n0 = p * PANEL;
                     int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
                     const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-                    rows_by_panel(buf, MR * kc, m1 - m0, panels + (p * k + k0) * PANEL, kc,
-                                  y + m0 * n + n0, n, n_valid, k0 == 0, b);
+                    rows_by_panel(buf, MR * kc, m1 - m0, (const char *)panels + (p * k + k0) * PANEL * bytes,
+                                  kc, y + m0 * n + n0, n, n_valid, k0 == 0, b, W16);
                 }
             }
         }
@@ -166,13 +178,15 @@ static int packed_rows(const float *x, int64_t x_stride, const float *panels, co
     return failed ? SKINNY_NO_MEMORY : SKINNY_OK;
 }
 
-int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                      int64_t m, int64_t n, int64_t k, int num_threads) {
+static inline __attribute__((always_inline)) int linear(const float *x, int64_t x_stride, const void *panels,
+                                                        const float *bias, float *y, int64_t m, int64_t n,
+                                                        int64_t k, int num_threads, const int W16) {
     if (m < 1 || n < 1 || k < 1 || x_stride < k)
         return SKINNY_BAD_SHAPE;
     num_threads = num_threads < 1 ? 1 : num_threads;
     if (m > PACK_ROWS)
-        return packed_rows(x, x_stride, panels, bias, y, m, n, k, num_threads);
+        return packed_rows(x, x_stride, panels, bias, y, m, n, k, num_threads, W16);
+    const int bytes = W16 ? 2 : 4;
     int64_t num_panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;
     /* x packed once as [group][k][MR]: one k of a tile is one 24-byte read, for every panel */
     float *packed = aligned_alloc(64, ((size_t)groups * MR * k * sizeof(float) + 63) / 64 * 64);
@@ -190,13 +204,26 @@ int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, con
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-                rows_by_panel(packed + k0 * MR, MR * k, m, panels + (p * k + k0) * PANEL, kc, y + n0,
-                              n, n_valid, k0 == 0, b);
+                rows_by_panel(packed + k0 * MR, MR * k, m, (const char *)panels + (p * k + k0) * PANEL * bytes,
+                              kc, y + n0, n, n_valid, k0 == 0, b, W16);
             }
         }
     }
     free(packed);
     return SKINNY_OK;
+}
+
+int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
+                      int64_t m, int64_t n, int64_t k, int num_threads) {
+    return linear(x, x_stride, panels, bias, y, m, n, k, num_threads, 0);
+}
+
+/* The same product from bf16 panels (pack_panels of a weight whose every value bf16 holds
+ * exactly): each weight is widened exactly as it loads, so y equals skinny_linear_f32's bit for
+ * bit, from half the bytes. */
+int skinny_linear_f32_w16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias,
+                          float *y, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return linear(x, x_stride, panels, bias, y, m, n, k, num_threads, 1);
 }
 
 int skinny_linear_supported(void) { return 1; }
@@ -215,6 +242,12 @@ int skinny_linear_all_rows(void) {
 
 int skinny_linear_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    (void)x; (void)x_stride; (void)panels; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)num_threads;
+    return SKINNY_UNSUPPORTED;
+}
+
+int skinny_linear_f32_w16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias,
+                          float *y, int64_t m, int64_t n, int64_t k, int num_threads) {
     (void)x; (void)x_stride; (void)panels; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)num_threads;
     return SKINNY_UNSUPPORTED;
 }
