@@ -120,7 +120,7 @@ def choose_kv_cache_dtype(requested: str, requested_dtype: str, dtype: str, isa:
     bytes per token is twice the context in --kv-cache-memory and half the reads of a decode
     (docs/benchmarks.md "A bf16 KV cache under an fp32 model"). An explicit --dtype float32 keeps
     an fp32 cache: that run matches Hugging Face exactly, and so does --attention-backend torch (the
-    reference would multiply bf16 in emulation there)."""
+    reference is what the other backends are held to)."""
     if requested != "auto":
         return requested, "" if requested == dtype else f"KV cache {requested} as asked"
     if (requested_dtype == "auto" and dtype == "float32" and not on_gpu and rank(isa.level) >= rank("avx2")

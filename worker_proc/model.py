@@ -59,8 +59,8 @@ class Attention(nn.Module):
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, signed_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         cache_dtype = kv_cache[0].dtype
-        if cache_dtype != q.dtype:  # --kv-cache-dtype other than the model's: attend in the cache's
-            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+        if cache_dtype != q.dtype and not self.backend.mixed_dtypes:  # --kv-cache-dtype other than
+            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)  # the model's: attend in it
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads * dim]
         if rows is not None:
             out = out[rows]

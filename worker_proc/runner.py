@@ -13,7 +13,6 @@ from proto.logprobs import concat_entries
 from proto.messages import StepPlan, StepResult
 from worker_proc import parallel
 from worker_proc.attention import AttentionShape, attention_backend_for
-from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import StepBatch, build_step_batch, synthetic_plan
 from worker_proc.devices import bind_worker
 from worker_proc.grammar_mask import apply_plan_masks_
@@ -58,7 +57,6 @@ class ModelRunner:
         # Attention computes in the cache's dtype (model.Attention casts to it and back).
         self.attention = attention_backend_for(self.device, self.kv_dtype, config.block_size,
                                                config.attention_backend, config.cpu_isa, shape)
-        self._warn_of_emulated_attention(dtype)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):
@@ -79,16 +77,6 @@ class ModelRunner:
         log.info("rank %d ready in %.1f s: %d KV blocks of %d tokens", rank,
                  time.perf_counter() - started, self.num_kv_blocks, config.block_size)
 
-    def _warn_of_emulated_attention(self, dtype: torch.dtype) -> None:
-        """A bf16 cache under an fp32 model pays where the native kernel widens bf16 as it loads;
-        the torch reference (no compiler, a shape the kernel lacks, --attention-backend torch)
-        multiplies in bf16, which a CPU without native bf16 emulates."""
-        if (self.device.type == "cpu" and self.kv_dtype == torch.bfloat16 != dtype
-                and isinstance(self.attention, TorchPagedAttention) and not cpu_prepack_supported(torch.bfloat16)):
-            log.warning("attention runs in the torch reference over a bfloat16 KV cache, and this CPU has no "
-                        "native bf16 matmuls (they are emulated, several times slower than float32): pass "
-                        "--kv-cache-dtype float32")
-
     def _gpu_kv_budget(self) -> int:
         """Bytes the KV cache may take on this GPU: what the largest step and the attention
         scratch leave of the --gpu-memory-utilization share (kv_cache.gpu_kv_budget_bytes)."""
@@ -102,6 +90,10 @@ class ModelRunner:
         if self.attention.gathers_context:
             scratch = gather_scratch_bytes(self.config, self.model.config, self.kv_dtype,
                                            self.config.max_model_len)
+            model_dtype = torch_dtype(self.config.dtype)
+            if self.attention.mixed_dtypes and model_dtype != self.kv_dtype:  # and their widened copies
+                scratch += gather_scratch_bytes(self.config, self.model.config, model_dtype,
+                                                self.config.max_model_len)
         budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens, scratch)
         log.info("rank %d: a %d-token step peaks at %.2f GiB, attention scratch %.2f GiB; %.2f GiB "
                  "left for the KV cache", self.rank, num_tokens, memory.peak_allocated_bytes / (1 << 30),

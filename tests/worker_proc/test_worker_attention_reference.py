@@ -66,3 +66,32 @@ def test_batched_decodes_equal_attending_each_member_alone(
     assert torch.equal(v_cache[:, meta.slot_mapping], v.transpose(0, 1))
     want = attend_each_member(plan, q, k_cache, v_cache)
     torch.testing.assert_close(got.float(), want.view(num_tokens, -1), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("context_lens, num_scheduled", [
+    ([5, 7, 6], [1, 1, 1]),  # decodes
+    ([3, 905, 12, 5, 910], [1, 1, 6, 1, 1]),  # beside a prefill chunk over cached context
+    ([9, 4], [9, 1]),  # a whole prompt (its own K/V, not the cache's) beside a decode
+])
+def test_fp32_queries_over_a_bfloat16_cache_attend_in_fp32(context_lens: list[int],
+                                                            num_scheduled: list[int]) -> None:
+    """--kv-cache-dtype bfloat16 under an fp32 model: the cache stores K/V rounded to bf16, and
+    attention computes in fp32 over what it holds (fp32 tolerance, where bf16 matmuls would be off
+    by about 1e-2), so a CPU without native bf16 never multiplies bf16 in emulation."""
+    backend = TorchPagedAttention()
+    assert backend.mixed_dtypes
+    plan = step(context_lens, num_scheduled)
+    meta = build_step_batch(plan, BLOCK_SIZE, NUM_BLOCKS, backend).attn
+    generator = torch.Generator().manual_seed(1)
+    num_tokens, num_slots = sum(num_scheduled), NUM_BLOCKS * BLOCK_SIZE
+    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_slots, HEAD_DIM, generator=generator).bfloat16()
+                        for _ in range(2))
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
+    # this step's K/V as bf16 values, so that a prompt attending its own fp32 K/V sees what the cache holds
+    k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator).bfloat16().float()
+            for _ in range(2))
+    got = backend.forward(q, k, v, k_cache, v_cache, meta)
+    assert got.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    assert torch.equal(k_cache[:, meta.slot_mapping].float(), k.transpose(0, 1))
+    want = attend_each_member(plan, q, k_cache.float(), v_cache.float())
+    torch.testing.assert_close(got, want.view(num_tokens, -1), atol=1e-5, rtol=1e-5)

@@ -140,17 +140,29 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend
     assert not torch.equal(logits[1], logits[0])  # the cache rounds K and V to bf16
 
 
-def test_a_bfloat16_cache_that_the_reference_would_attend_in_emulation_is_warned_of(
-        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from worker_proc import runner as runner_module
+def test_a_float32_model_hands_the_reference_float32_queries_over_a_bfloat16_cache(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference attends in the model's dtype (it widens what it gathers), so the model does not
+    cast q, k and v to the cache's bf16 for it; the native kernel reads them in the cache's dtype."""
+    from worker_proc.attention import AttentionBackendError
+    from worker_proc.attention.native import NativePagedAttention
+    from worker_proc.attention.reference import TorchPagedAttention
 
-    monkeypatch.setattr(runner_module, "cpu_prepack_supported", lambda dtype: dtype != torch.bfloat16)  # no bf16
-    for kv_cache_dtype, backend, warned in [("bfloat16", "torch", True), ("bfloat16", "native", False),
-                                            ("float32", "torch", False)]:
-        caplog.clear()
-        ModelRunner(tiny_engine_config(tiny_model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=backend),
-                    rank=0, show_progress=False)
-        assert ("--kv-cache-dtype float32" in caplog.text) == warned, (kv_cache_dtype, backend)
+    seen = []
+    for cls in (TorchPagedAttention, NativePagedAttention):
+        real = cls.forward
+        monkeypatch.setattr(cls, "forward", lambda self, q, k, v, *rest, real=real: (
+            seen.append((type(self).__name__, q.dtype, k.dtype)) or real(self, q, k, v, *rest)))
+    for backend in ("torch", "native"):
+        try:
+            runner = ModelRunner(tiny_engine_config(tiny_model_dir, kv_cache_dtype="bfloat16",
+                                                    attention_backend=backend), rank=0, show_progress=False)
+        except AttentionBackendError:  # no native kernel here (no compiler)
+            continue
+        runner.logits_for_all_tokens(make_plan([Seq("a", [5, 6, 7])], [3], BlockPool(64, block_size=4)))
+    by_backend = {name: {(q, k) for other, q, k in seen if other == name} for name, _, _ in seen}
+    assert by_backend["TorchPagedAttention"] == {(torch.float32, torch.float32)}
+    assert by_backend.get("NativePagedAttention", {(torch.bfloat16, torch.bfloat16)}) == {(torch.bfloat16, torch.bfloat16)}
 
 
 def test_config_accepts_old_and_new_rope_formats() -> None:

@@ -56,6 +56,7 @@ class VarlenPagedAttention:
     """One varlen kernel call per layer for the whole step; same results as the reference."""
 
     kv_layout = KVLayout.BLOCKS_MAJOR  # flash-attn's paged K/V: [num_blocks, block_size, kv_heads, dim]
+    mixed_dtypes = False  # flash-attn takes q in the cache's dtype
 
     def __init__(self, kernel: VarlenKernel, block_size: int) -> None:
         self.kernel = kernel

@@ -53,6 +53,7 @@ class NativePagedAttention:
 
     gathers_context = False
     kv_layout = KVLayout.HEADS_MAJOR
+    mixed_dtypes = False  # the kernel reads q in the cache's dtype
 
     def __init__(self, kernel: PagedAttentionKernel, block_size: int,
                  sdpa_min_tokens: int | None = None) -> None:

@@ -19,10 +19,14 @@ from worker_proc.kv_cache import KVLayout
 
 class TorchPagedAttention:
     """Reference backend (CPU and GPU): batched matmuls for decodes, SDPA for prefill chunks, over
-    K/V gathered from a HEADS_MAJOR cache, k_cache and v_cache [num_kv_heads, num_slots, head_dim]."""
+    K/V gathered from a HEADS_MAJOR cache, k_cache and v_cache [num_kv_heads, num_slots, head_dim].
+    Over a cache of another dtype than q's (--kv-cache-dtype) it computes in q's: an fp32 model
+    over a bf16 cache widens the K/V it gathers, so a CPU without native bf16 (where the native
+    kernel does not build, or with --attention-backend torch) never multiplies bf16 in emulation."""
 
     gathers_context = True
     kv_layout = KVLayout.HEADS_MAJOR
+    mixed_dtypes = True
 
     def __init__(self) -> None:
         self.scratch = ScratchBuffers()
@@ -59,9 +63,10 @@ class TorchPagedAttention:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """This step's k, v [num_tokens, num_kv_heads, head_dim] into HEADS_MAJOR caches at slot_mapping."""
-    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    """This step's k, v [num_tokens, num_kv_heads, head_dim] into HEADS_MAJOR caches at slot_mapping
+    (rounded to the cache's dtype where it is another)."""
+    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 class ScratchBuffers:
@@ -90,8 +95,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
             scratch: ScratchBuffers) -> torch.Tensor:
     """q: [num_members, num_heads, head_dim] -> same shape.
 
-    Two matmuls in the cache's dtype (the model's unless --kv-cache-dtype differs), the softmax in
-    fp32; fp32 stays fp32 throughout. In bf16 this skips fp32 SDPA's cast copy of K/V, and rounding
+    Two matmuls in q's dtype (K/V gathered in the cache's, widened when q's is another), the softmax
+    in fp32; fp32 stays fp32 throughout. In bf16 this skips fp32 SDPA's cast copy of K/V, and rounding
     the scores to bf16 costs no measurable accuracy: SmolLM2-135M's next-token KL to its fp32 self is 0.0011 either way."""
     num_members, context = group.slots.shape
     num_kv_heads, _, head_dim = k_cache.shape
@@ -99,6 +104,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     gathered = (num_kv_heads, num_members * context, head_dim)
     keys = torch.index_select(k_cache, 1, flat_slots, out=scratch.get("keys", gathered, k_cache))
     values = torch.index_select(v_cache, 1, flat_slots, out=scratch.get("values", gathered, v_cache))
+    if keys.dtype != q.dtype:  # an fp32 model over a bf16 cache: widened into scratch of their own
+        keys = scratch.get("wide_keys", gathered, q).copy_(keys)
+        values = scratch.get("wide_values", gathered, q).copy_(values)
     keys = keys.view(num_kv_heads, num_members, context, head_dim)
     values = values.view(num_kv_heads, num_members, context, head_dim)
     # A KV head's query heads (its GQA group) become rows of one matmul, so K/V are read once.
@@ -120,8 +128,8 @@ def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     if span.context_slots is None:
         keys, values, causal = k[rows].transpose(0, 1), v[rows].transpose(0, 1), True
     else:  # the gather is already [kv_heads, context, head_dim], SDPA's layout
-        keys, values, causal = (k_cache.index_select(1, span.context_slots),
-                                v_cache.index_select(1, span.context_slots), False)
+        keys, values, causal = (k_cache.index_select(1, span.context_slots).to(q.dtype),
+                                v_cache.index_select(1, span.context_slots).to(q.dtype), False)
     out = F.scaled_dot_product_attention(queries, keys.unsqueeze(0), values.unsqueeze(0),
                                          attn_mask=span.mask, is_causal=causal, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
