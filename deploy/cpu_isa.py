@@ -126,7 +126,7 @@ def choose_kv_cache_dtype(requested: str, requested_dtype: str, dtype: str, isa:
     if (requested_dtype == "auto" and dtype == "float32" and not on_gpu and rank(isa.level) >= rank("avx2")
             and attention_backend in ("auto", "native")):
         return "bfloat16", ("KV cache auto: bfloat16, half of float32's memory and reads per token "
-                            "(attention computes in bf16; --kv-cache-dtype float32 keeps fp32)")
+                            "(the native kernel attends in bf16; --kv-cache-dtype float32 keeps fp32)")
     return dtype, ""
 
 

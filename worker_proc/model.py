@@ -59,14 +59,21 @@ class Attention(nn.Module):
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, signed_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         cache_dtype = kv_cache[0].dtype
-        if cache_dtype != q.dtype and not self.backend.mixed_dtypes:  # --kv-cache-dtype other than
-            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)  # the model's: attend in it
+        if cache_dtype != q.dtype and not self._widens(q, cache_dtype):  # --kv-cache-dtype other
+            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)  # than the model's
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads * dim]
         if rows is not None:
             out = out[rows]
             if not len(rows):  # every rank alike: the all-reduce is skipped on all of them
                 return hidden.new_empty(0, hidden.shape[1])
         return self.o_proj(out.to(hidden.dtype))
+
+    def _widens(self, q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
+        """Whether the backend takes q, k, v in the model's dtype and widens a narrower cache's K/V
+        (the reference, on the CPU, where bf16 matmuls may be emulated); else attention runs in the
+        cache's dtype: the native kernel and flash-attn read it, a wider cache is not narrowed, and a
+        GPU multiplies bf16 natively."""
+        return self.backend.mixed_dtypes and q.is_cpu and cache_dtype.itemsize < q.dtype.itemsize
 
 
 class MLP(nn.Module):

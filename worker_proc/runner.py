@@ -54,7 +54,8 @@ class ModelRunner:
                  config.dtype, config.kv_dtype, torch.get_num_threads())
         dtype, self.kv_dtype = torch_dtype(config.dtype), torch_dtype(config.kv_dtype)
         shape = AttentionShape.for_rank(load_model_config(config.model), config.tensor_parallel_size)
-        # Attention computes in the cache's dtype (model.Attention casts to it and back).
+        # Attention reads the cache's dtype (model.Attention casts to it and back, except for a
+        # backend that widens a narrower cache itself: AttentionBackend.mixed_dtypes).
         self.attention = attention_backend_for(self.device, self.kv_dtype, config.block_size,
                                                config.attention_backend, config.cpu_isa, shape)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
@@ -90,10 +91,6 @@ class ModelRunner:
         if self.attention.gathers_context:
             scratch = gather_scratch_bytes(self.config, self.model.config, self.kv_dtype,
                                            self.config.max_model_len)
-            model_dtype = torch_dtype(self.config.dtype)
-            if self.attention.mixed_dtypes and model_dtype != self.kv_dtype:  # and their widened copies
-                scratch += gather_scratch_bytes(self.config, self.model.config, model_dtype,
-                                                self.config.max_model_len)
         budget = gpu_kv_budget_bytes(memory, self.config.gpu_memory_utilization, num_tokens, scratch)
         log.info("rank %d: a %d-token step peaks at %.2f GiB, attention scratch %.2f GiB; %.2f GiB "
                  "left for the KV cache", self.rank, num_tokens, memory.peak_allocated_bytes / (1 << 30),

@@ -87,11 +87,10 @@ def test_fp32_queries_over_a_bfloat16_cache_attend_in_fp32(context_lens: list[in
     k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_slots, HEAD_DIM, generator=generator).bfloat16()
                         for _ in range(2))
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
-    # this step's K/V as bf16 values, so that a prompt attending its own fp32 K/V sees what the cache holds
-    k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator).bfloat16().float()
-            for _ in range(2))
+    k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
     got = backend.forward(q, k, v, k_cache, v_cache, meta)
     assert got.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
-    assert torch.equal(k_cache[:, meta.slot_mapping].float(), k.transpose(0, 1))
+    assert torch.equal(k_cache[:, meta.slot_mapping].float(), k.transpose(0, 1).bfloat16().float())
+    # every query sees K/V as cached, a prompt its own this step's too: whole or chunked, the same
     want = attend_each_member(plan, q, k_cache.float(), v_cache.float())
     torch.testing.assert_close(got, want.view(num_tokens, -1), atol=1e-5, rtol=1e-5)

@@ -119,7 +119,8 @@ def test_bfloat16_weights_and_cache_are_used_when_asked(tiny_model_dir: Path) ->
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend: str) -> None:
     """--kv-cache-dtype bfloat16: fp32 weights, a bf16 cache with twice the blocks in the same
-    memory, attention in bf16: logits within bf16 rounding of the all-fp32 run's, not equal to them."""
+    memory: logits within bf16 rounding of the all-fp32 run's, not equal to them (the native kernel
+    attends in bf16, the torch reference in fp32 over the rounded K/V)."""
     memory = dict(num_kv_blocks=0, block_size=4, kv_cache_memory_bytes=64 * TINY_BYTES_PER_BLOCK_FP32 // 4,
                   attention_backend=backend)
     full = ModelRunner(tiny_engine_config(tiny_model_dir, **memory), rank=0, show_progress=False)
@@ -143,7 +144,8 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend
 def test_a_float32_model_hands_the_reference_float32_queries_over_a_bfloat16_cache(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference attends in the model's dtype (it widens what it gathers), so the model does not
-    cast q, k and v to the cache's bf16 for it; the native kernel reads them in the cache's dtype."""
+    cast q, k and v to the cache's bf16 for it; the native kernel reads them in the cache's dtype,
+    and a bf16 model over an fp32 cache attends in fp32 (a wider cache is never narrowed)."""
     from worker_proc.attention import AttentionBackendError
     from worker_proc.attention.native import NativePagedAttention
     from worker_proc.attention.reference import TorchPagedAttention
@@ -153,9 +155,10 @@ def test_a_float32_model_hands_the_reference_float32_queries_over_a_bfloat16_cac
         real = cls.forward
         monkeypatch.setattr(cls, "forward", lambda self, q, k, v, *rest, real=real: (
             seen.append((type(self).__name__, q.dtype, k.dtype)) or real(self, q, k, v, *rest)))
-    for backend in ("torch", "native"):
+    for backend, dtype, kv_cache_dtype in [("torch", "float32", "bfloat16"), ("native", "float32", "bfloat16"),
+                                           ("torch", "bfloat16", "float32")]:
         try:
-            runner = ModelRunner(tiny_engine_config(tiny_model_dir, kv_cache_dtype="bfloat16",
+            runner = ModelRunner(tiny_engine_config(tiny_model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                                     attention_backend=backend), rank=0, show_progress=False)
         except AttentionBackendError:  # no native kernel here (no compiler)
             continue

@@ -75,9 +75,9 @@ class AttentionBackend(Protocol):
     gathers_context: bool
     # How the runner lays out the KV cache for this backend (kv_cache.KVLayout).
     kv_layout: KVLayout
-    # True when forward takes q, k, v in the model's dtype over a cache of another (it stores K/V in
-    # the cache's dtype and computes in q's); False: model.Attention casts q, k, v to the cache's
-    # dtype first and the output back.
+    # True when forward can take q, k, v in the model's dtype over a narrower cache (it stores K/V
+    # in the cache's dtype and computes in q's); model.Attention hands it them so on the CPU, and
+    # otherwise casts q, k, v to the cache's dtype first and the output back.
     mixed_dtypes: bool
 
     def build_metadata(self, batch: RaggedBatch) -> Any:

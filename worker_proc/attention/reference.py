@@ -22,7 +22,8 @@ class TorchPagedAttention:
     K/V gathered from a HEADS_MAJOR cache, k_cache and v_cache [num_kv_heads, num_slots, head_dim].
     Over a cache of another dtype than q's (--kv-cache-dtype) it computes in q's: an fp32 model
     over a bf16 cache widens the K/V it gathers, so a CPU without native bf16 (where the native
-    kernel does not build, or with --attention-backend torch) never multiplies bf16 in emulation."""
+    kernel does not build, or with --attention-backend torch) never multiplies bf16 in emulation.
+    The model hands it such q only on the CPU and only over a narrower cache (model.Attention)."""
 
     gathers_context = True
     kv_layout = KVLayout.HEADS_MAJOR
@@ -126,7 +127,8 @@ def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     rows = slice(span.token_start, span.token_end)
     queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, num_q, head_dim]
     if span.context_slots is None:
-        keys, values, causal = k[rows].transpose(0, 1), v[rows].transpose(0, 1), True
+        keys, values, causal = (k[rows].to(k_cache.dtype).to(q.dtype).transpose(0, 1),  # as cached
+                                v[rows].to(v_cache.dtype).to(q.dtype).transpose(0, 1), True)
     else:  # the gather is already [kv_heads, context, head_dim], SDPA's layout
         keys, values, causal = (k_cache.index_select(1, span.context_slots).to(q.dtype),
                                 v_cache.index_select(1, span.context_slots).to(q.dtype), False)

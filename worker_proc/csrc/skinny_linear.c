@@ -18,7 +18,8 @@
  * (docs/benchmarks.md, "Work the threads claim as they go"). On the default model's shapes at 2048
  * rows this runs at 1.1-1.3x oneDNN's fp32 rate on an AVX2-only CPU (docs/benchmarks.md, "Prompt
  * linears"). Layouts: x [m, k] with rows x_stride apart, panels [ceil(n / 16), k, 16] (the last
- * panel's missing features zero), y [m, n] contiguous, all fp32.
+ * panel's missing features zero), y [m, n] contiguous, all fp32; or, through skinny_linear_f32_w16,
+ * the panels bf16 with each panel's features in the order skinny.WIDE_ORDER gives them.
  */
 #include <stdint.h>
 #include <stdlib.h>
