@@ -40,10 +40,19 @@ def logprob_plan() -> StepPlan:
     return dataclasses.replace(plan, sampling=sampling)
 
 
+def mid_prompt_plan() -> StepPlan:
+    """A chunk in mid-prompt alone: no row samples, so every rank skips the last layer's
+    projection and MLP, and its all-reduce, alike. (Its blocks are the first plan's, which the
+    logprob plan then computes afresh.)"""
+    return make_plan([Seq("c", list(range(70, 90)))], [8], BlockPool(64, block_size=4), step_id=0)
+
+
 def run_rank(config: EngineConfig, rank: int, results: mp.Queue) -> None:
     runner = ModelRunner(config, rank, show_progress=False)
     # numpy, not torch: a torch tensor crosses the queue as a shared fd that dies with this process
     logits = [runner.logits_for_all_tokens(plan).numpy() for plan in mixed_plans()]
+    quiet = runner.execute(mid_prompt_plan())
+    assert quiet.error == "" and len(quiet.sampled_token_ids) == 0, quiet
     results.put((rank, logits, runner.execute(logprob_plan())))
 
 
