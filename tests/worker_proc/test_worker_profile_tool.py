@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from worker_proc.model_config import load_model_config
 from worker_proc.tools import profile_step
@@ -73,3 +74,28 @@ def test_a_profile_takes_the_kv_cache_dtype_and_the_isa_cap_and_floors_the_cache
     fp32 = profile_step.floors(model, contexts, scheduled, 4, **bound_by_reads)
     bf16_cache = profile_step.floors(model, contexts, scheduled, 4, kv_bytes=2, **bound_by_reads)
     assert bf16_cache["attention"] == fp32["attention"] / 2 and bf16_cache["linears"] == fp32["linears"]
+
+
+def test_the_linear_floor_counts_the_weights_as_the_worker_holds_them(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A bf16 checkpoint profiled in fp32: where the skinny linear keeps bf16 panels, a weight's
+    bytes read are 2, not 4 (else a memory-bound decode would beat its own floor)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from worker_proc.layers.skinny import skinny_linear_for
+
+    if skinny_linear_for(torch.float32, "") is None:
+        pytest.skip("no fp32 skinny linear on this CPU")
+    bf16_dir = tmp_path / "bf16-checkpoint"
+    shutil.copytree(tiny_model_dir, bf16_dir)
+    weights = bf16_dir / "model.safetensors"
+    save_file({k: v.bfloat16() for k, v in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
+    sizes = []
+    for model_dir in (tiny_model_dir, bf16_dir):
+        out = tmp_path / f"{model_dir.name}.json"
+        profile_step.main(["--model", str(model_dir), "--decode-batches", "1", "--context", "10", "--prefill", "0",
+                           "--steps", "1", "--num-threads", "1", "--no-scheduler", "--out", str(out)])
+        sizes.append(json.loads(out.read_text())["weight_bytes"])
+    assert sizes == [4, 2]

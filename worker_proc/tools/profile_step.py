@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             "float32_onednn_gflops": matmul_gflops(shapes, torch.float32, 1024, None),
             "bfloat16_gflops": matmul_gflops(shapes, torch.bfloat16, 1024, skinny)}
     peak_gflops = max(peak[f"{args.dtype}_gflops"].values())
+    # the bytes of a weight as the worker holds it: bf16 panels for a bf16 checkpoint in fp32
+    weight_bytes = torch_dtype(args.dtype).itemsize if head is None else head.panels.element_size()
     watch = Stopwatch()
     instrument(runner, watch)
     # (name, contexts, num_scheduled, blocks per member, running requests)
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {}
     for name, contexts, num_scheduled, max_blocks, num_seqs in scenarios:
         measured = profile(runner, watch, contexts, num_scheduled, args.steps, max_blocks)
-        floor = floors(model, contexts, num_scheduled, torch_dtype(args.dtype).itemsize, peak_gflops,
+        floor = floors(model, contexts, num_scheduled, weight_bytes, peak_gflops,
                        peak["memory_gbps"], torch_dtype(config.kv_dtype).itemsize)
         steps[name] = {"ms": measured, "floor_ms": {k: round(v * 1e3, 3) for k, v in floor.items()},
                        "share_of_floor": {k: round(floor[k] * 1e3 / measured[k], 3) for k in COMPUTE
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             steps[name]["scheduler_and_ipc"] = scheduler_side(num_seqs)
         print(f"{name}: {json.dumps(steps[name]['ms'])}", file=sys.stderr)
     report = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": config.kv_dtype,
+              "weight_bytes": weight_bytes,
               "cpu_isa_cap": args.cpu_isa or None, "torch": torch.__version__,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "peak": peak, "steps": steps}
     text = json.dumps(report, indent=2)
