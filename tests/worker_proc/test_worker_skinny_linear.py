@@ -1,7 +1,7 @@
 """The native skinny linear (the linears of decode steps, and of every step where AVX2 is the widest
 fp32 path) equals F.linear at every ISA level this CPU can run that has it (fp32; bf16 in
 test_worker_skinny_bf16.py), for every row count's
-block split (the packed-rows path above 256 rows too), ragged shapes (a partial last panel, several
+block split (the packed-rows path above 64 rows too), ragged shapes (a partial last panel, several
 k blocks), a bias and strided rows; a model packed with it serves decode steps through it and
 larger ones through oneDNN, or all of them through it where it serves all rows, its LM head every
 step; bad input is an error naming it."""

@@ -31,7 +31,7 @@ enum { PANEL = 16 };
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-enum { MR = 6, KC = 256, PACK_ROWS = 256, MC = 96, KC_PACKED = 1536 };
+enum { MR = 6, KC = 256, PACK_ROWS = 64, MC = 96, KC_PACKED = 1536 };
 
 /* 16 floats from src, of which the first n_valid exist (the rest read as zero). */
 static inline void load16(const float *src, int n_valid, __m256 *lo, __m256 *hi) {
