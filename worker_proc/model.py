@@ -160,8 +160,10 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
             layer.self_attn.fused = layer.mlp.fused = fused
         self.model.norm.fused = fused
-        self.lm_head.pack_for_cpu(keep_weight=self.lm_head.weight is self.model.embed_tokens.weight,
-                                  skinny=skinny)
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        self.lm_head.pack_for_cpu(keep_weight=tied, skinny=skinny)
+        if tied and self.lm_head.skinny is not None and self.lm_head.skinny.widened:
+            self.model.embed_tokens.narrow_to_bf16()  # the LM head reads its own bf16 panels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ VARIANTS = {
     "tied_llama": ("llama", {"tie_word_embeddings": True}),
     "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "bf16_checkpoint": ("llama", {}),  # served in fp32: the skinny linear keeps its weights as bf16
+    "tied_bf16_checkpoint": ("llama", {"tie_word_embeddings": True}),  # and the token table too
 }
 
 
@@ -46,7 +47,7 @@ def variant(request: pytest.FixtureRequest,
 
     arch, overrides = VARIANTS[request.param]
     model_dir = build_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    randomize_vectors(model_dir, torch.bfloat16 if request.param == "bf16_checkpoint" else torch.float32)
+    randomize_vectors(model_dir, torch.bfloat16 if request.param.endswith("bf16_checkpoint") else torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return model_dir, hf
 
@@ -173,4 +174,12 @@ def test_a_bf16_checkpoint_served_in_fp32_keeps_its_weights_as_bf16_where_the_ke
     packed = [m.skinny for m in runner.model.modules() if getattr(m, "skinny", None) is not None]
     if skinny_linear_for(torch.float32, "") is None:
         pytest.skip("no skinny linear here (needs AVX2 + FMA and the native library)")
-    assert packed and all(weight.widened == (model_dir.name.startswith("bf16_checkpoint")) for weight in packed)
+    bf16_checkpoint = "bf16_checkpoint" in model_dir.name
+    assert packed and all(weight.widened == bf16_checkpoint for weight in packed)
+    table = runner.model.model.embed_tokens  # tied to the LM head, which reads its own panels: bf16
+    narrowed = bf16_checkpoint and runner.model.config.tie_word_embeddings
+    assert table.weight.dtype == (torch.bfloat16 if narrowed else torch.float32)
+    ids = torch.tensor([0, 5, 17])
+    assert table(ids).dtype == torch.float32
+    if narrowed:
+        assert torch.equal(table(ids), table.weight[ids].float())

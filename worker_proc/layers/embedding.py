@@ -23,6 +23,15 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.vocab_per_rank
         self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.out_dtype: torch.dtype | None = None  # set by narrow_to_bf16: the rows are widened to it
+
+    def narrow_to_bf16(self) -> None:
+        """Keep an fp32 table whose every value bf16 holds (a bf16 checkpoint served in fp32) as
+        bf16, half the memory; looked-up rows are widened back exactly (call after loading, and
+        only where nothing else reads the table as fp32)."""
+        weight = self.weight.data
+        if weight.dtype == torch.float32 and torch.equal(weight.bfloat16().float(), weight):
+            self.out_dtype, self.weight.data = weight.dtype, weight.bfloat16()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -32,12 +41,16 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [num_tokens] -> [num_tokens, hidden]."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.vocab_per_rank)
-        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        embedded = self._rows(local_ids.masked_fill(outside, 0))
         embedded.masked_fill_(outside.unsqueeze(-1), 0.0)
         return parallel.all_reduce(embedded)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
