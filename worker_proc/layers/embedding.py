@@ -26,12 +26,11 @@ class VocabParallelEmbedding(nn.Module):
         self.out_dtype: torch.dtype | None = None  # set by narrow_to_bf16: the rows are widened to it
 
     def narrow_to_bf16(self) -> None:
-        """Keep an fp32 table whose every value bf16 holds (a bf16 checkpoint served in fp32) as
-        bf16, half the memory; looked-up rows are widened back exactly (call after loading, and
-        only where nothing else reads the table as fp32)."""
-        weight = self.weight.data
-        if weight.dtype == torch.float32 and torch.equal(weight.bfloat16().float(), weight):
-            self.out_dtype, self.weight.data = weight.dtype, weight.bfloat16()
+        """Keep the fp32 table as bf16, half the memory; looked-up rows are widened back exactly.
+        Only for a table whose every value bf16 holds, which nothing else reads as fp32:
+        LlamaForCausalLM.pack_for_cpu calls it when the tied LM head kept bf16 panels of it (the
+        skinny linear checked every value then)."""
+        self.out_dtype, self.weight.data = self.weight.dtype, self.weight.data.bfloat16()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:

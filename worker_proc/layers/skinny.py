@@ -5,10 +5,11 @@ fraction of this machine's peak, and 1-16 rows at a fraction of what streaming t
 The kernel keeps its own copy of W in panels of 16 output features (pack_panels); the layer's plain
 weight is dropped. Where every value of W is a bf16 value (a bf16 checkpoint served in fp32, as the
 default model's is), the copy is bf16 (pack_wide_panels) and each weight is widened exactly as it
-loads: the same products bit for bit, from half the memory and half the bytes a step streams. Where the library was built with AVX-512, oneDNN's packed copy beside it runs
-steps of more than MAX_ROWS rows; built for AVX2 (all_rows), the kernel's row-packing path runs
-them, faster than oneDNN there, and no oneDNN copy is kept. SmolLM2-135M: docs/benchmarks.md
-"Decode linears" and "Prompt linears".
+loads: the same products bit for bit, from half the memory and half the bytes a step streams.
+Where the library was built with AVX-512, oneDNN's packed copy beside it runs steps of more than
+MAX_ROWS rows; built for AVX2 (all_rows), the kernel's row-packing path runs them, faster than
+oneDNN there, and no oneDNN copy is kept. SmolLM2-135M: docs/benchmarks.md "Decode linears" and
+"Prompt linears".
 
 bf16 (worker_proc/csrc/skinny_bf16.c), on AVX512-BF16 without AMX: the same panels as bf16 pairs
 (pack_pairs), one dpbf16 per pair of inputs; steps of up to MAX_ROWS rows, oneDNN's copy the rest.

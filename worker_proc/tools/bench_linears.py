@@ -50,8 +50,8 @@ def main() -> None:
     if kernel is None:
         raise SystemExit(f"no skinny linear for {args.dtype} here (the log line above says why)")
     generator = torch.Generator().manual_seed(0)
+    wide = dtype == torch.float32
     for rows in (int(r) for r in args.rows.split(",")):
-        wide = dtype == torch.float32
         step = {"onednn": 0.0, "skinny": 0.0, **({"skinny_wide": 0.0} if wide else {})}
         for name, (n, k) in SHAPES.items():
             copies, repeats = (1, 3) if name == "lm_head" else (8, 10)
