@@ -74,6 +74,11 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return bad_request(exc.message, exc.param)
 
 
+# The JSON parser's words for a high surrogate escape not followed by a low one, and for a low one
+# alone (Python's json module takes both; no tokenizer can encode the string they make).
+_LONE_SURROGATE = ("unexpected end of hex escape", "lone leading surrogate in hex escape")
+
+
 def describe_pydantic_errors(errors: list[dict[str, Any]]) -> APIError:
     """One readable 400 from pydantic/FastAPI error dicts: the first problem, its place, its input."""
     first = errors[0]
@@ -83,6 +88,10 @@ def describe_pydantic_errors(errors: list[dict[str, Any]]) -> APIError:
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
+        for parser_says in _LONE_SURROGATE:  # its words name the escape's end, not what is wrong
+            if detail.startswith(parser_says):
+                detail = ("a \\uD800-\\uDFFF escape must be half of a surrogate pair (a lone surrogate is "
+                          "not a Unicode character)" + detail[len(parser_says):])
         return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "))
     if param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
         return bad_request("the request body must be a JSON object")

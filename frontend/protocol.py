@@ -121,13 +121,13 @@ class SamplingFields(_Strict):
     # The prompt's last k tokens only (-1: as many as leave room for max_tokens), before the context check.
     truncate_prompt_tokens: Count | None = _documented(minimum=-1)
     # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
-    # it (validation.UNSUPPORTED_FIELDS) rather than output that silently ignores it.
+    # it (unsupported_fields.UNSUPPORTED_FIELDS) rather than output that silently ignores it.
     bad_words: Any = None
     allowed_token_ids: Any = None
-    use_beam_search: Any = None
+    use_beam_search: bool | None = None
     prompt_logprobs: Any = None
-    return_tokens_as_token_ids: Any = None
-    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 
 
@@ -173,6 +173,12 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     tools: list[dict[str, Any]] | None = None  # checked by frontend/tools.py
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
+    # Chat fields of OpenAI (the legacy functions) and vLLM that conveyor does not implement, declared
+    # so that asking for one is a 400 naming it (unsupported_fields.UNSUPPORTED_CHAT_FIELDS).
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    echo: Any = None
 
 
 class TokenizeRequest(ChatRendering):

@@ -13,6 +13,7 @@ from frontend.protocol import MAX_BATCH_SEQUENCES, ChatCompletionRequest, Comple
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolChoice, parse_tool_choice, parse_tools, tool_choice_grammar
+from frontend.unsupported_fields import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_FIELDS, refuse_unsupported
 from proto.config import prompt_fits
 from proto.errors import ValidationError
 from proto.grammar import GrammarSpec
@@ -21,17 +22,6 @@ from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
-# vLLM request fields conveyor does not implement: the values that ask nothing of the server, and
-# what to use instead, if anything. Any other value is a 400 naming the field.
-UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "bad_words": ((None, []), "logit_bias can ban single tokens"),
-    "allowed_token_ids": ((None,), "structured_outputs.choice or a grammar can restrict the output"),
-    "use_beam_search": ((None, False), ""),
-    "prompt_logprobs": ((None,), "/v1/completions with echo and logprobs scores the prompt"),
-    "return_tokens_as_token_ids": ((None, False), ""),
-    "spaces_between_special_tokens": ((None, True), ""),
-    "logits_processors": ((None, []), ""),
-}
 
 
 @dataclass(frozen=True)
@@ -78,6 +68,9 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     # Scoring a prompt (OpenAI's and vLLM's echo with max_tokens 0): the engine computes it and
     # samples one token as always; the response leaves that token out.
     echo_only = bool(request.echo) and request.max_tokens == 0
+    if request.max_tokens == 0 and not echo_only:
+        raise bad_request("max_tokens must be >= 1, got 0 (0 only with echo: the prompt scored, nothing "
+                          "generated)", "max_tokens")
     if echo_only and request.min_tokens:
         raise bad_request(f"min_tokens must be 0 when max_tokens is 0 (echo only scores the prompt), got "
                           f"{request.min_tokens}", "min_tokens")
@@ -131,6 +124,7 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
              checker: GrammarCheck | None = None) -> GenerationJob:
     """`logprobs: true`: each token's logprob, plus the top `top_logprobs` alternatives. `tools`
     reach the prompt; a forced `tool_choice` (required, named) is the output's grammar."""
+    refuse_unsupported(request, UNSUPPORTED_CHAT_FIELDS)
     grammar = _check_choices(request, checker)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -198,9 +192,7 @@ def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, limits: ModelLimits
 def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> GrammarSpec | None:
     """n, best_of and the output constraint (returned, compile-checked by `checker`): what the
     request asks the server to return."""
-    for name, (harmless, instead) in UNSUPPORTED_FIELDS.items():
-        if getattr(request, name) not in harmless:
-            raise bad_request(f"{name} is not supported by this server{f': {instead}' if instead else ''}", name)
+    refuse_unsupported(request, UNSUPPORTED_FIELDS)
     constraint = request_grammar(request)  # a malformed one gets its own 400 here
     if constraint is not None and checker is not None:
         checker.check(*constraint)

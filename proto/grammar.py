@@ -82,6 +82,8 @@ def engine_grammar(spec: GrammarSpec) -> str:
     """llguidance's top-level grammar JSON for `spec` (what LLMatcher compiles)."""
     if spec.kind in ("json_schema", "json_object"):
         schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+        if schema is True:  # any JSON value, as {} is: which takes the separators below
+            schema = {}
         if isinstance(schema, dict):
             close_objects(schema)
             schema = {**schema, "x-guidance": {**JSON_SCHEMA_OPTIONS, **schema.get("x-guidance", {})}}

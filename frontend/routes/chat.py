@@ -28,7 +28,9 @@ class ChatFormat:
     """OpenAI's chat choices; logprobs as {"content": [{token, logprob, bytes, top_logprobs}]}.
 
     With tools, each choice's output goes through one reader (frontend/tool_parsers.py) that
-    turns it into content and `tool_calls`; a choice that sent a call finishes with "tool_calls".
+    turns it into content and `tool_calls`; a choice that sent a call finishes with "tool_calls",
+    except under a named tool_choice, where it finishes with "stop" (as OpenAI documents and vLLM
+    does: the call was asked for, not chosen).
     """
 
     id_prefix = "chatcmpl"
@@ -39,7 +41,7 @@ class ChatFormat:
         self._tokenizer = tokenizer
         self._tool_parser = tool_parser
         self._streams: dict[int, ToolCallStream | None] = {}  # per choice, made on its first delta
-        self._called: set[int] = set()  # choices that have sent a tool call
+        self._called: set[int] = set()  # choices that have sent a tool call they chose to make
 
     def first_choices(self, generation: Generation) -> list[dict[str, Any]]:
         # OpenAI clients take each choice's role from its first chunk, before any content arrives.
@@ -69,7 +71,8 @@ class ChatFormat:
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         return {"index": choice.index, "message": message, "logprobs": logprobs,
-                "finish_reason": self._finish_reason(bool(parsed.tool_calls), choice.finish_reason)}
+                "finish_reason": self._finish_reason(bool(parsed.tool_calls) and _chose(generation),
+                                                     choice.finish_reason)}
 
     def _output_deltas(self, generation: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]:
         """Content, or content and tool calls through the choice's reader (flushed at its end)."""
@@ -81,7 +84,7 @@ class ChatFormat:
         deltas = stream.feed(delta.text) if delta.text else []
         if delta.finish_reason:
             deltas += stream.finish()
-        if any("tool_calls" in d for d in deltas):
+        if _chose(generation) and any("tool_calls" in d for d in deltas):
             self._called.add(delta.index)
         return deltas
 
@@ -89,6 +92,11 @@ class ChatFormat:
     def _finish_reason(called: bool, finish_reason: FinishReason) -> str:
         """OpenAI's "tool_calls" for a choice that ended on its own after making calls."""
         return "tool_calls" if called and finish_reason == FinishReason.STOP else finish_reason
+
+
+def _chose(generation: Generation) -> bool:
+    """Whether the model chose its tool calls (auto, required), rather than was told which (named)."""
+    return generation.job.tool_choice.mode != "named"
 
 
 def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,

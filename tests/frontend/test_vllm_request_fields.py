@@ -23,6 +23,32 @@ async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, en
     assert not engine.added
 
 
+@pytest.mark.parametrize("field, value", [("spaces_between_special_tokens", 1), ("use_beam_search", 0),
+                                          ("return_tokens_as_token_ids", "false")])
+async def test_a_boolean_vllm_field_takes_only_a_boolean(client, engine, field, value):
+    response = await client.post("/v1/completions", json={"prompt": "x", field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "valid boolean" in error["message"]
+    assert not engine.added
+
+
+@pytest.mark.parametrize("field, value, instead", [
+    ("functions", [{"name": "f", "parameters": {}}], "send them as tools"), ("function_call", "auto", "tool_choice"),
+    ("chat_template", "{{ messages }}", "the model's own chat template"), ("echo", True, "/v1/completions")])
+async def test_a_chat_field_conveyor_does_not_implement_is_a_400_naming_it(client, engine, field, value, instead):
+    response = await client.post("/v1/chat/completions",
+                                 json={"messages": [{"role": "user", "content": "x"}], field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} is not supported") and instead in \
+        error["message"]
+    assert not engine.added
+    harmless = {"messages": [{"role": "user", "content": "x"}], "echo": False, "functions": [],
+                "function_call": "none", "chat_template": None}
+    assert (await client.post("/v1/chat/completions", json=harmless)).status_code == 200
+
+
 async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(client):
     response = await client.post("/v1/completions", json={
         "prompt": "x", "bad_words": [], "use_beam_search": False, "prompt_logprobs": None,

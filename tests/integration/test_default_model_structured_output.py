@@ -85,7 +85,7 @@ def test_forced_tool_calls_ask_for_the_weather_in_paris(client, tool_choice) -> 
     completion = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=64,
                                                 messages=ASK, tools=[WEATHER], tool_choice=tool_choice)
     choice = completion.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")  # named: OpenAI's
     call = choice.message.tool_calls[0]
     arguments = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and set(arguments) == {"city", "unit"}

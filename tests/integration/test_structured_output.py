@@ -112,7 +112,7 @@ def test_named_tool_choice_returns_a_call_whose_arguments_validate(client) -> No
         model="tiny", messages=MESSAGES, tools=[DIGIT_TOOL, FLAG_TOOL], temperature=0, max_tokens=32,
         tool_choice={"type": "function", "function": {"name": "set_digit"}})
     choice = completion.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "stop"  # OpenAI's for a call of a named function
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "set_digit" and call.id
     Digit.model_validate_json(call.function.arguments)
@@ -148,7 +148,7 @@ def test_streamed_tool_calls_reassemble_to_the_same_call(client, tool_choice) ->
                 call = calls.setdefault(part.index, {"name": "", "arguments": ""})
                 call["name"] += part.function.name or ""
                 call["arguments"] += part.function.arguments or ""
-    assert finish_reasons == ["tool_calls"]
+    assert finish_reasons == [whole.finish_reason] == ["stop" if isinstance(tool_choice, dict) else "tool_calls"]
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
 

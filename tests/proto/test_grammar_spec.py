@@ -38,6 +38,9 @@ def test_json_schema_grammar_has_fixed_separators_unless_the_schema_says_otherwi
     own = {"type": "integer", "x-guidance": {"whitespace_flexible": True}}
     grammar = json.loads(engine_grammar(GrammarSpec.json_schema(own)))
     assert grammar["grammars"][0]["json_schema"]["x-guidance"]["whitespace_flexible"] is True
+    anything = json.loads(engine_grammar(GrammarSpec.json_schema(True)))  # the schema `true`, as {}
+    assert anything["grammars"][0]["json_schema"] == {"x-guidance": {
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
 def test_json_object_is_any_object() -> None:
