@@ -104,9 +104,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache's dtype; auto (the default): the model's, except bfloat16 "
                              "where --dtype auto chose float32 on a CPU without native bf16 (AVX2 and up, "
                              "with the native attention kernel). bfloat16 under a float32 model holds "
-                             "twice the tokens in the same memory and halves attention's reads; the native "
-                             "attention kernel then computes in bf16 (fp32 sums), so greedy output can "
-                             "differ from an all-fp32 run")
+                             "twice the tokens in the same memory and halves attention's reads; attention "
+                             "then reads K and V rounded to bf16 (and on AVX512-BF16 CPUs and GPUs "
+                             "multiplies in bf16), so greedy output can differ from an all-fp32 run")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         help="GPU: share of each GPU's memory for weights, activations and the KV "
                              "cache, which gets what a profiled full-size step leaves (default 0.9)")

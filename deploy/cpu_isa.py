@@ -116,7 +116,8 @@ def choose_kv_cache_dtype(requested: str, requested_dtype: str, dtype: str, isa:
     """(kv_cache_dtype, why, '' when it is simply the model's): the decision table of
     --kv-cache-dtype. auto is the model's dtype, except where `--dtype auto` chose float32 on a CPU
     for want of native bf16 matmuls: there the cache is bf16, since attention only loads and
-    multiplies what it reads (the native kernel's AVX2 path widens bf16 as it loads), and half the
+    multiplies what it reads (the native kernel's AVX2 mixed path widens bf16 K/V as it loads them
+    and computes in fp32), and half the
     bytes per token is twice the context in --kv-cache-memory and half the reads of a decode
     (docs/benchmarks.md "A bf16 KV cache under an fp32 model"). An explicit --dtype float32 keeps
     an fp32 cache: that run matches Hugging Face exactly, and so does --attention-backend torch (the
@@ -126,7 +127,7 @@ def choose_kv_cache_dtype(requested: str, requested_dtype: str, dtype: str, isa:
     if (requested_dtype == "auto" and dtype == "float32" and not on_gpu and rank(isa.level) >= rank("avx2")
             and attention_backend in ("auto", "native")):
         return "bfloat16", ("KV cache auto: bfloat16, half of float32's memory and reads per token "
-                            "(the native kernel attends in bf16; --kv-cache-dtype float32 keeps fp32)")
+                            "(attention widens it to fp32 as it reads; --kv-cache-dtype float32 keeps fp32)")
     return dtype, ""
 
 

@@ -11,8 +11,9 @@ SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("bfloat16", "float32")  # what a worker runs in
 # auto: bf16 where the CPU or GPU computes it natively, else fp32 (resolved by the supervisor).
 DTYPE_CHOICES = ("auto", *DTYPES)
-# The KV cache's element type; auto: the model's dtype. Attention computes in the cache's dtype, so
-# bfloat16 under a float32 model halves both the cache's memory per token and attention's reads.
+# The KV cache's element type; auto: the model's dtype. bfloat16 under a float32 model halves both
+# the cache's memory per token and attention's reads (on the CPU attention widens what it reads,
+# except on the native kernel's AVX-512 bf16 path; on a GPU it computes in the cache's dtype).
 KV_CACHE_DTYPE_CHOICES = ("auto", *DTYPES)
 # CPU instruction-set levels, each including the ones before it; a cap holds conveyor to one.
 CPU_ISAS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")

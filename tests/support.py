@@ -268,7 +268,9 @@ def assert_health_follows_recovery(samples: list[tuple[float, int]], fault_s: fl
     within a second of serving again: of the first token after the stream's longest pause."""
     pause = max(range(1, len(arrivals)), key=lambda i: arrivals[i] - arrivals[i - 1])
     resumed_s = arrivals[pause]
-    assert resumed_s - arrivals[pause - 1] > 1.0, f"no pause in the stream: {arrivals}"
+    # The tiny model's tokens come milliseconds apart; replacing its worker group can take under a
+    # second (two CI runs saw 0.96-0.98 s), so the fault's pause is told apart at half a second.
+    assert resumed_s - arrivals[pause - 1] > 0.5, f"no pause in the stream: {arrivals}"
     unhealthy = next((t for t, code in samples if t > fault_s and code == 503), None)
     assert unhealthy is not None and unhealthy - fault_s < within_s, \
         f"/health turned 503 {None if unhealthy is None else unhealthy - fault_s} s after the fault: {samples}"

@@ -70,9 +70,9 @@ class Attention(nn.Module):
 
     def _widens(self, q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
         """Whether the backend takes q, k, v in the model's dtype and widens a narrower cache's K/V
-        (the reference, on the CPU, where bf16 matmuls may be emulated); else attention runs in the
-        cache's dtype: the native kernel and flash-attn read it, a wider cache is not narrowed, and a
-        GPU multiplies bf16 natively."""
+        (the reference, on the CPU, where bf16 matmuls may be emulated; the native kernel's mixed
+        path); else attention runs in the cache's dtype: the native kernel's bf16 path and
+        flash-attn read it, a wider cache is not narrowed, and a GPU multiplies bf16 natively."""
         return self.backend.mixed_dtypes and q.is_cpu and cache_dtype.itemsize < q.dtype.itemsize
 
 

@@ -57,7 +57,7 @@ class ModelRunner:
         # Attention reads the cache's dtype (model.Attention casts to it and back, except for a
         # backend that widens a narrower cache itself: AttentionBackend.mixed_dtypes).
         self.attention = attention_backend_for(self.device, self.kv_dtype, config.block_size,
-                                               config.attention_backend, config.cpu_isa, shape)
+                                               config.attention_backend, config.cpu_isa, shape, dtype)
         self.model = load_model(config.model, config.dtype, self.attention, self.device,
                                 show_progress=show_progress and rank == 0)
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):

@@ -88,12 +88,14 @@ def prefill_plan(block_size: int) -> StepPlan:
 
 
 def run_step(backend: AttentionBackend, plan: StepPlan, block_size: int, dtype: torch.dtype,
-             num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's attention over random caches; q, k, v are views of one qkv row as the model's."""
+             num_heads: int, num_kv_heads: int, head_dim: int,
+             cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's attention over random caches (of cache_dtype; None: dtype); q, k, v are views of
+    one qkv row as the model's."""
     meta = build_step_batch(plan, block_size, NUM_BLOCKS, backend).attn
     generator = torch.Generator().manual_seed(0)
     num_slots, num_tokens = NUM_BLOCKS * block_size, len(plan.input_ids)
-    k_cache, v_cache = (torch.randn(num_kv_heads, num_slots, head_dim, generator=generator).to(dtype)
+    k_cache, v_cache = (torch.randn(num_kv_heads, num_slots, head_dim, generator=generator).to(cache_dtype or dtype)
                         for _ in range(2))
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator).to(dtype)
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
@@ -118,6 +120,51 @@ def test_native_attention_equals_the_reference_on_decodes_and_prefill_chunks_at_
     got, got_caches = run_step(NativePagedAttention(leveled, block_size), *shape)
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got_caches, want_caches)  # this step's K/V written to the same slots
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(6, 2, 64), (16, 2, 64), (8, 1, 128), (4, 2, 16),
+                                                               (6, 2, 24)])
+@pytest.mark.parametrize("make_plan_for", [mixed_plan, prefill_plan])
+def test_fp32_q_over_a_bf16_cache_equals_the_reference_mixed_mode_at_every_isa_level(
+        leveled: native.PagedAttentionKernel, make_plan_for: Callable[[int], StepPlan], num_heads: int,
+        num_kv_heads: int, head_dim: int) -> None:
+    """An fp32 model keeping a bf16 cache: the kernel widens K/V exactly and computes everything else
+    in fp32, as the reference does (no bf16 rounding of q, probabilities or output)."""
+    shape = (make_plan_for(16), 16, torch.float32, num_heads, num_kv_heads, head_dim, torch.bfloat16)
+    want, want_caches = run_step(TorchPagedAttention(), *shape)
+    got, got_caches = run_step(NativePagedAttention(leveled, 16, mixed_dtypes=True), *shape)
+    assert got.dtype == torch.float32 and got_caches.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_caches, want_caches)
+    rounded, _ = run_step(NativePagedAttention(leveled, 16), make_plan_for(16), 16, torch.bfloat16, num_heads,
+                          num_kv_heads, head_dim)  # the bf16 path, q and output rounded
+    assert (got - want).abs().max() < (rounded.float() - want).abs().max() / 10
+
+
+@pytest.mark.parametrize("level", LEVELS[1:])
+def test_an_fp32_model_over_a_bf16_cache_takes_the_mixed_path_where_bf16_runs_at_its_level(level: str) -> None:
+    """The mixed path is AVX2's: taken where the bf16 path is AVX2's too, not where AVX-512's
+    dpbf16 path is (worth the casts there)."""
+    kernel, shape = load(level), AttentionShape(9, 3, 64)
+    mixed = kernel.code_path(torch.float32, 3, 64, torch.bfloat16)
+    assert mixed == ("portable" if level == "baseline" else "avx2")
+    assert kernel.block_path(torch.float32, 3, 64, torch.bfloat16) == ("none" if level == "baseline" else "avx2")
+    backend = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, cpu_isa=level, shape=shape,
+                                    model_dtype=torch.float32)
+    takes_it = mixed != "portable" and EXPECTED_PATHS[level][1] == mixed
+    assert isinstance(backend, NativePagedAttention if level != "baseline" else TorchPagedAttention)
+    assert backend.mixed_dtypes == (takes_it or level == "baseline")  # the reference widens too
+    same = attention_backend_for(torch.device("cpu"), torch.float32, 16, cpu_isa=level, shape=shape,
+                                 model_dtype=torch.float32)
+    assert not isinstance(same, NativePagedAttention) or not same.mixed_dtypes  # one dtype: nothing to mix
+    with pytest.raises(ValueError, match="no path for torch.bfloat16 q over a torch.float32 cache"):
+        kernel.code_path(torch.bfloat16, 3, 64, torch.float32)
+    assert kernel.takes_mixed_dtypes
+    with pytest.raises(ValueError, match="this build has no dtypes 3"):
+        native._checked(kernel._path(3, 3, 64), 3)  # past enum Dtypes: -1, never a path's name
+    explicit = attention_backend_for(torch.device("cpu"), torch.bfloat16, 16, "native", level, AttentionShape(6, 2, 24),
+                                     torch.float32)  # only the portable loop: its mixed mode, not casts
+    assert isinstance(explicit, NativePagedAttention) and explicit.mixed_dtypes
 
 
 @pytest.mark.parametrize("level", LEVELS[1:])

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from native_levels import VECTOR_LEVELS
 from tiny_model import build_tiny_model
 from safetensors.torch import load_file, save_file
 from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
@@ -119,8 +120,9 @@ def test_bfloat16_weights_and_cache_are_used_when_asked(tiny_model_dir: Path) ->
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend: str) -> None:
     """--kv-cache-dtype bfloat16: fp32 weights, a bf16 cache with twice the blocks in the same
-    memory: logits within bf16 rounding of the all-fp32 run's, not equal to them (the native kernel
-    attends in bf16, the torch reference in fp32 over the rounded K/V)."""
+    memory: logits within bf16 rounding of the all-fp32 run's, not equal to them (both backends
+    attend in fp32 over the rounded K/V: the reference widens what it gathers, the native kernel
+    takes its mixed path)."""
     memory = dict(num_kv_blocks=0, block_size=4, kv_cache_memory_bytes=64 * TINY_BYTES_PER_BLOCK_FP32 // 4,
                   attention_backend=backend)
     full = ModelRunner(tiny_engine_config(tiny_model_dir, **memory), rank=0, show_progress=False)
@@ -144,13 +146,15 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dir: Path, backend
 def test_a_float32_model_hands_the_reference_float32_queries_over_a_bfloat16_cache(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference attends in the model's dtype (it widens what it gathers), so the model does not
-    cast q, k and v to the cache's bf16 for it; the native kernel reads them in the cache's dtype,
-    and a bf16 model over an fp32 cache attends in fp32 (a wider cache is never narrowed)."""
+    cast q, k and v to the cache's bf16 for it; nor for the native kernel where it takes its mixed
+    path (the tiny model's head_dim 16 has no AVX-512 path, so on every CPU with AVX2 it does), else
+    the kernel reads them in the cache's dtype; and a bf16 model over an fp32 cache attends in fp32
+    (a wider cache is never narrowed)."""
     from worker_proc.attention import AttentionBackendError
     from worker_proc.attention.native import NativePagedAttention
     from worker_proc.attention.reference import TorchPagedAttention
 
-    seen = []
+    seen, native_mixes = [], None
     for cls in (TorchPagedAttention, NativePagedAttention):
         real = cls.forward
         monkeypatch.setattr(cls, "forward", lambda self, q, k, v, *rest, real=real: (
@@ -162,10 +166,16 @@ def test_a_float32_model_hands_the_reference_float32_queries_over_a_bfloat16_cac
                                                     attention_backend=backend), rank=0, show_progress=False)
         except AttentionBackendError:  # no native kernel here (no compiler)
             continue
+        if backend == "native":
+            native_mixes = runner.attention.mixed_dtypes
         runner.logits_for_all_tokens(make_plan([Seq("a", [5, 6, 7])], [3], BlockPool(64, block_size=4)))
     by_backend = {name: {(q, k) for other, q, k in seen if other == name} for name, _, _ in seen}
     assert by_backend["TorchPagedAttention"] == {(torch.float32, torch.float32)}
-    assert by_backend.get("NativePagedAttention", {(torch.bfloat16, torch.bfloat16)}) == {(torch.bfloat16, torch.bfloat16)}
+    if native_mixes is not None:
+        native_dtype = torch.float32 if native_mixes else torch.bfloat16
+        assert by_backend["NativePagedAttention"] == {(native_dtype, native_dtype)}
+    if "avx2" in VECTOR_LEVELS and native_mixes is not None:  # the kernel's mixed path runs here
+        assert native_mixes
 
 
 def test_config_accepts_old_and_new_rope_formats() -> None:

@@ -118,21 +118,23 @@ class AttentionBackendError(RuntimeError):
 
 def attention_backend_for(device: torch.device, dtype: torch.dtype, block_size: int,
                           choice: str = "auto", cpu_isa: str = "",
-                          shape: AttentionShape | None = None) -> AttentionBackend:
+                          shape: AttentionShape | None = None,
+                          model_dtype: torch.dtype | None = None) -> AttentionBackend:
     """choice is EngineConfig.attention_backend. auto: flash-attn on CUDA in bf16/fp16 when it is
     installed, the native kernel on the CPU when it builds and has a vectorised path for dtype and
     shape (None: not checked), else the torch reference (on CUDA it runs SDPA's fused kernels over
     the gathered blocks), with one log line saying why. An explicit flash or native that cannot run
     here raises AttentionBackendError at worker start-up. cpu_isa: the native kernel's ISA cap
-    (EngineConfig.cpu_isa)."""
+    (EngineConfig.cpu_isa). model_dtype: the dtype q arrives in (None: dtype's); an fp32 model over
+    a bf16 cache gets the native kernel's mixed path where it runs at the bf16 path's ISA level."""
     # The backends import this module's interface, so the selector imports them when it runs.
     from worker_proc.attention.reference import TorchPagedAttention
 
     if choice == "flash" or (choice == "auto" and device.type == "cuda"):
         return _flash_backend(device, dtype, block_size, explicit=choice == "flash")
     if choice == "native" or (choice == "auto" and device.type == "cpu"):
-        return _native_backend(device, dtype, block_size, cpu_isa, None if choice == "native" else shape,
-                               explicit=choice == "native")
+        return _native_backend(device, dtype, block_size, cpu_isa, shape, explicit=choice == "native",
+                               model_dtype=model_dtype)
     return TorchPagedAttention()
 
 
@@ -158,8 +160,10 @@ def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: int,
 
 
 def _native_backend(device: torch.device, dtype: torch.dtype, block_size: int, cpu_isa: str,
-                    shape: AttentionShape | None, explicit: bool) -> AttentionBackend:
-    """shape: None when any code path will do (explicit native), else only a vectorised one."""
+                    shape: AttentionShape | None, explicit: bool,
+                    model_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """shape: None when not known. Auto takes only a vectorised path for it (the reference else);
+    explicit native runs whatever path there is."""
     from worker_proc.attention.native import BF16_SDPA_MIN_TOKENS, NativePagedAttention
     from worker_proc.attention.native_kernel import NativeBuildError, load_paged_attention
     from worker_proc.attention.reference import TorchPagedAttention
@@ -175,21 +179,39 @@ def _native_backend(device: torch.device, dtype: torch.dtype, block_size: int, c
         log.info("attention: torch reference (the native kernel is unavailable: %s)",
                  " ".join(str(error).split())[:400])
         return TorchPagedAttention()
+    amx_prefills = dtype == torch.bfloat16 and has_matrix_units(cpu_isa)  # SDPA takes bf16 q, no mixing
+    mixed = not amx_prefills and mixed_path(kernel, model_dtype, dtype, shape)
     if shape is not None:
-        path = kernel.code_path(dtype, shape.group, shape.head_dim)
-        if path == "portable":  # slower than the reference
+        q_dtype = model_dtype if mixed else dtype
+        path = kernel.code_path(q_dtype, shape.group, shape.head_dim, dtype)
+        if path == "portable" and not explicit:  # slower than the reference
             log.info("attention: torch reference (the native kernel has only its portable loop for %s, "
                      "%d query heads per KV head, head_dim %d on this CPU)", dtype, shape.group,
                      shape.head_dim)
             return TorchPagedAttention()
-        log.info("attention: native paged attention (%s, %s path; prompt chunks in blocks: %s)", kernel.path.name,
-                 path, kernel.block_path(dtype, shape.group, shape.head_dim))
+        log.info("attention: native paged attention (%s, %s path%s; prompt chunks in blocks: %s)",
+                 kernel.path.name, path, f", {q_dtype} q and output over the {dtype} cache" if mixed else "",
+                 kernel.block_path(q_dtype, shape.group, shape.head_dim, dtype))
     else:
         log.info("attention: native paged attention (%s)", kernel.path.name)
-    if dtype != torch.bfloat16 or not has_matrix_units(cpu_isa):
+    if mixed:
+        return NativePagedAttention(kernel, block_size, mixed_dtypes=True)
+    if not amx_prefills:
         return NativePagedAttention(kernel, block_size)
     log.info("attention: bf16 prefill chunks of %d tokens or more through torch SDPA (AMX)", BF16_SDPA_MIN_TOKENS)
     return NativePagedAttention(kernel, block_size, BF16_SDPA_MIN_TOKENS)
+
+
+def mixed_path(kernel: Any, model_dtype: torch.dtype | None, cache_dtype: torch.dtype,
+               shape: AttentionShape | None) -> bool:
+    """Whether the kernel (native_kernel.PagedAttentionKernel) should take q in model_dtype over a
+    cache_dtype cache itself: an fp32 model over a bf16 cache, where its mixed path runs at the same
+    ISA level as its bf16 path for this shape (the AVX2 one, or the portable loop alike; the AVX-512
+    bf16 path multiplies bf16 on dpbf16, worth the casts)."""
+    if model_dtype != torch.float32 or cache_dtype != torch.bfloat16 or shape is None:
+        return False
+    return (kernel.code_path(model_dtype, shape.group, shape.head_dim, cache_dtype)
+            == kernel.code_path(cache_dtype, shape.group, shape.head_dim))
 
 
 def has_matrix_units(cpu_isa: str) -> bool:

@@ -48,19 +48,21 @@ class NativeMetadata:
 
 class NativePagedAttention:
     """Same results as the reference within rounding: fp32 softmax, scores and products in fp32
-    (bf16 inputs multiply exactly), probabilities rounded to the cache's dtype before p.v. Which
-    code path runs (and whether auto picks this backend at all) is the selector's choice."""
+    (bf16 inputs multiply exactly), probabilities rounded to q's dtype before p.v. Which code path
+    runs (and whether auto picks this backend at all) is the selector's choice."""
 
     gathers_context = False
     kv_layout = KVLayout.HEADS_MAJOR
-    mixed_dtypes = False  # the kernel reads q in the cache's dtype
 
     def __init__(self, kernel: PagedAttentionKernel, block_size: int,
-                 sdpa_min_tokens: int | None = None) -> None:
-        """sdpa_min_tokens: chunks of at least this many tokens go to SDPA (None: none do)."""
+                 sdpa_min_tokens: int | None = None, mixed_dtypes: bool = False) -> None:
+        """sdpa_min_tokens: chunks of at least this many tokens go to SDPA (None: none do).
+        mixed_dtypes: the kernel takes an fp32 model's q over a bf16 cache and writes fp32 (its
+        mixed path, AttentionBackend.mixed_dtypes); else q arrives in the cache's dtype."""
         self.kernel = kernel
         self.block_size = block_size
         self.sdpa_min_tokens = sdpa_min_tokens
+        self.mixed_dtypes = mixed_dtypes
 
     def build_metadata(self, batch: RaggedBatch) -> NativeMetadata:
         members, contexts = batch.token_members, batch.positions + 1

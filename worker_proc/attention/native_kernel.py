@@ -29,6 +29,9 @@ _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I3
              ctypes.c_float, _I32, _I32, ctypes.POINTER(ctypes.c_int64)]
 PATHS = ("portable", "avx2", "avx512")  # paged_attention_path's return values, in order
 BLOCK_PATHS = ("none", "avx2", "avx512")  # paged_attention_block_path's, in order
+# (q's dtype, the caches') -> paged_attend's dtypes argument (enum Dtypes, csrc/paged_attention.h)
+_DTYPES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
+           (torch.float32, torch.bfloat16): 2}
 # GNU, Intel and LLVM OpenMP runtimes, also as wheels vendor them (libgomp-a34b3233.so.1); not
 # their siblings (libgompd, libomptarget).
 _OPENMP_RUNTIME = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]{8})?\.so(?:\.\d+)*")
@@ -50,14 +53,22 @@ class PagedAttentionKernel:
         self._block_path.argtypes = [_I32, _I32, _I32]
         self._block_path.restype = ctypes.c_int
 
-    def code_path(self, dtype: torch.dtype, group: int, head_dim: int) -> str:
-        """Which of PATHS this build runs for the dtype and shape (portable: slower than the torch
-        reference)."""
-        return PATHS[self._path(int(dtype == torch.bfloat16), group, head_dim)]
+    def code_path(self, dtype: torch.dtype, group: int, head_dim: int, cache_dtype: torch.dtype | None = None) -> str:
+        """Which of PATHS this build runs for q in dtype over a cache of cache_dtype (None: the same)
+        and this shape (portable: slower than the torch reference)."""
+        dtypes = _dtypes(dtype, dtype if cache_dtype is None else cache_dtype)
+        return PATHS[_checked(self._path(dtypes, group, head_dim), dtypes)]
 
-    def block_path(self, dtype: torch.dtype, group: int, head_dim: int) -> str:
+    def block_path(self, dtype: torch.dtype, group: int, head_dim: int, cache_dtype: torch.dtype | None = None) -> str:
         """Which of BLOCK_PATHS attends a prefill chunk's queries in blocks (none: one by one)."""
-        return BLOCK_PATHS[self._block_path(int(dtype == torch.bfloat16), group, head_dim)]
+        dtypes = _dtypes(dtype, dtype if cache_dtype is None else cache_dtype)
+        return BLOCK_PATHS[_checked(self._block_path(dtypes, group, head_dim), dtypes)]
+
+    @property
+    def takes_mixed_dtypes(self) -> bool:
+        """Whether this build knows enum Dtypes (fp32 q over a bf16 cache): one from before it read
+        the argument as a bf16 flag, and so takes every value past 1 for bf16 throughout."""
+        return self._path(len(_DTYPES), 1, 64) == -1
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, token_members: torch.Tensor, context_lens: torch.Tensor,
@@ -65,7 +76,8 @@ class PagedAttentionKernel:
         """Writes every row of out: token t attends to the first context_lens[t] positions of block
         table row token_members[t].
         q: [num_tokens, num_heads, head_dim], heads contiguous, token rows any stride apart;
-        out: the same shape, contiguous; caches: [num_kv_heads, num_slots, head_dim] contiguous;
+        out: the same shape and dtype, contiguous; caches: [num_kv_heads, num_slots, head_dim]
+        contiguous, in q's dtype or, under fp32 q, bf16;
         block_tables int32 [num_seqs, max_blocks]; token_members, context_lens int32 [num_tokens]."""
         num_heads, num_kv_heads, head_dim, num_slots = _check_layouts(q, out, k_cache, v_cache)
         indices = (block_tables, token_members, context_lens)
@@ -82,10 +94,25 @@ class PagedAttentionKernel:
                               v_cache.data_ptr(), num_slots, block_tables.data_ptr(), block_tables.shape[0],
                               block_tables.shape[1], token_members.data_ptr(), context_lens.data_ptr(),
                               len(q), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5,
-                              int(q.dtype == torch.bfloat16), num_threads, ctypes.byref(where))
+                              _DTYPES[q.dtype, k_cache.dtype], num_threads, ctypes.byref(where))  # checked above
         if status != 0:
             raise _failure(status, where.value, block_tables, token_members, context_lens, num_slots,
                            block_size, (num_heads, num_kv_heads, head_dim))
+
+
+def _checked(path: int, dtypes: int) -> int:
+    """A path function's index, or ValueError for its -1 (dtypes outside enum Dtypes)."""
+    if path < 0:
+        raise ValueError(f"native attention: this build has no dtypes {dtypes} (enum Dtypes)")
+    return path
+
+
+def _dtypes(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    """paged_attend's dtypes for this pair, or ValueError."""
+    try:
+        return _DTYPES[(q_dtype, cache_dtype)]
+    except KeyError:
+        raise ValueError(f"native attention has no path for {q_dtype} q over a {cache_dtype} cache") from None
 
 
 def _check_layouts(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
@@ -93,10 +120,11 @@ def _check_layouts(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     """(num_heads, num_kv_heads, head_dim, num_slots), or ValueError for what the kernel cannot read."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, num_slots = k_cache.shape[:2]
-    dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
-    if len(dtypes) != 1 or q.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"native attention needs one dtype of bfloat16/float32 for q, out and caches, "
-                         f"got {q.dtype}, {out.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if (q.dtype != out.dtype or k_cache.dtype != v_cache.dtype
+            or (q.dtype, k_cache.dtype) not in _DTYPES):
+        raise ValueError(f"native attention needs q and out of one dtype and caches of another or the "
+                         f"same: bfloat16/float32 throughout or float32 over a bfloat16 cache, got "
+                         f"{q.dtype}, {out.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or out.shape != q.shape:
         raise ValueError("native attention needs q's heads contiguous and out contiguous in q's shape")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -111,6 +139,8 @@ def _failure(status: int, where: int, block_tables: torch.Tensor, token_members:
              shape: tuple[int, int, int]) -> Exception:
     """The exception for paged_attend's nonzero status (enum Status), naming what is at fault."""
     num_seqs, max_blocks = block_tables.shape
+    if status == -7:
+        return ValueError("native attention: the dtypes argument is not one of enum Dtypes")
     if status == -1:
         return ValueError(f"native attention: {shape[0]} heads, {shape[1]} KV heads, head_dim {shape[2]} "
                           f"and block_size {block_size} are not a valid attention shape")

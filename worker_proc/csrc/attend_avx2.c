@@ -1,11 +1,12 @@
-/* AVX2 + FMA paged attention for one query (a decode), fp32 and bf16 KV: 8 fp32 lanes (shared
+/* AVX2 + FMA paged attention for one query (a decode), fp32 or bf16 KV, q and out in the cache's
+ * dtype or fp32 over a bf16 cache (enum Dtypes): 8 fp32 lanes (shared
  * helpers: avx2_lanes.h; blocks of a prefill chunk's queries: attend_avx2_blocks.c). A tile of 8 K
  * rows is read once for the KV head's whole GQA group (bf16 tiles widened once into a small fp32
  * buffer); each row's q.k gives 8 partial sums and the tile's 8 vectors are reduced together by two
  * hadd levels and one cross-lane add. Probabilities are rounded to bf16 before p.v on bf16 models,
- * as the torch reference rounds them. The query asks for its K and V rows AHEAD positions before it
- * reads them, and for the first ones before each pass: every block is a separate run of memory,
- * where the hardware prefetcher would start over. */
+ * as the torch reference rounds them. The q.k pass asks for the K and V rows of the positions AHEAD
+ * of its tile (prefetch_positions): every block is a separate run of memory, where the hardware
+ * prefetcher would start over, and p.v then finds its V rows in L2. */
 #include "paged_attention.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,25 +30,10 @@ ALWAYS_INLINE __m256 valid_lanes(int start, int n) {  /* all-ones in lanes start
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - start), lane));
 }
 
-/* Asks the caches for count rows of K or V (row_bytes from base) from position p on, block by block.
- * Spread over the pass, a tile at a time, instead of a whole block at its first position: 8 rows
- * ask for 32 lines, which the core's miss buffers take without stalling the loads of the tile at
- * hand (5-11% faster over 400 positions from memory: docs/benchmarks.md, "Work the threads claim
- * as they go"). */
-#define AHEAD 16 /* positions; 32 and 64 were no faster on an AVX2-only CPU */
-ALWAYS_INLINE void prefetch_rows(const Args *a, const int32_t *table, int p, int count, int n, const char *base,
-                                 int row_bytes) {
-    for (int end = p + count < n ? p + count : n; p < end;) {
-        int in_block = a->block_size - p % a->block_size, rows = end - p < in_block ? end - p : in_block;
-        const char *row = base + ((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size) * row_bytes;
-        for (int offset = 0; offset < rows * row_bytes; offset += 64) _mm_prefetch(row + offset, _MM_HINT_T0);
-        p += rows;
-    }
-}
-
-/* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's max. */
-ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *keys, int n, int stride,
-                             const __m256 *query, float *scores, float *top, const int G, const int C,
+/* Scaled scores of G query rows (query: [G][C] fp32 chunks) over positions [0, n), and each row's
+ * max; asks for the V rows that p.v reads next as it goes. */
+ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *keys, const char *values, int n,
+                             int stride, const __m256 *query, float *scores, float *top, const int G, const int C,
                              const int BF16) {
     const int dim = LANES * C, bytes = BF16 ? 2 : 4;
     float widened[LANES][LANES * MAX_CHUNKS];
@@ -56,7 +42,8 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
         const float *k[LANES];
-        prefetch_rows(a, table, start + AHEAD, LANES, n, keys, dim * bytes);
+        prefetch_positions(a, table, start + AHEAD, LANES, n, keys, dim * bytes);
+        prefetch_positions(a, table, start + AHEAD, LANES, n, values, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES; i++) {
             k[i] = (const float *)(keys + rows[i] * bytes);
@@ -85,31 +72,31 @@ ALWAYS_INLINE void qk_scores(const Args *a, const int32_t *table, const char *ke
         for (int i = 1; i < LANES; i++) top[g] = lanes[i] > top[g] ? lanes[i] : top[g];
     }
 }
-/* scores -> unnormalised probabilities in place (zero past n, bf16-rounded on bf16); their sums. */
+/* scores -> unnormalised probabilities in place (zero past n, bf16-rounded where q is bf16: a bf16
+ * model); their sums. */
 ALWAYS_INLINE void softmax_numerators(float *scores, int n, int stride, const float *top, float *total,
-                                      const int G, const int BF16) {
+                                      const int G, const int Q16) {
     for (int g = 0; g < G; g++) {
         __m256 max = _mm256_set1_ps(top[g]), sum = _mm256_setzero_ps();
         for (int start = 0; start < n; start += LANES) {
             float *s = scores + g * stride + start;
             __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s), max)), valid_lanes(start, n));
             sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(s, BF16 ? round_to_bf16(e) : e);
+            _mm256_storeu_ps(s, Q16 ? round_to_bf16(e) : e);
         }
         total[g] = sum_lanes(sum);
     }
 }
-/* out rows of G heads, chunks [c0, c0 + CB): sum_p probs[p] * V[p] / total */
+/* out rows of G heads (q's dtype), chunks [c0, c0 + CB): sum_p probs[p] * V[p] / total */
 ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *values, int n, int stride,
-                              const float *probs, const float *total, char *out_row,
-                              const int G, const int C, const int c0, const int CB, const int BF16) {
-    const int dim = LANES * C, bytes = BF16 ? 2 : 4;
+                              const float *probs, const float *total, char *out_row, const int G, const int C,
+                              const int c0, const int CB, const int BF16, const int Q16) {
+    const int dim = LANES * C, bytes = BF16 ? 2 : 4, out_bytes = Q16 ? 2 : 4;
     __m256 acc[PV_GROUP][MAX_CHUNKS];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < CB; c++) acc[g][c] = _mm256_setzero_ps();
     for (int start = 0; start < n; start += LANES) {
         int64_t rows[LANES];
-        if (c0 == 0) prefetch_rows(a, table, start + AHEAD, LANES, n, values, dim * bytes);
         tile_rows(table, a->block_size, start, n, dim, LANES, rows);
         for (int i = 0; i < LANES && start + i < n; i++) {
             __m256 weight[PV_GROUP];
@@ -123,56 +110,60 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, const char *v
     for (int g = 0; g < G; g++) {
         __m256 inverse = _mm256_set1_ps(1.0f / total[g]);
         for (int c = 0; c < CB; c++)
-            store8(out_row + (g * dim + LANES * (c0 + c)) * bytes, _mm256_mul_ps(acc[g][c], inverse), BF16);
+            store8(out_row + (g * dim + LANES * (c0 + c)) * out_bytes, _mm256_mul_ps(acc[g][c], inverse), Q16);
     }
 }
 ALWAYS_INLINE void pv_heads(const Args *a, const int32_t *table, const char *values, int n, int stride,
                             const float *probs, const float *total, char *out_row,
-                            const int G, const int C, const int BF16) {
+                            const int G, const int C, const int BF16, const int Q16) {
     const int CB = G * C <= PV_REGISTERS ? C : G * (C / 2) <= PV_REGISTERS ? C / 2
                    : G * (C / 4) <= PV_REGISTERS ? C / 4 : G * (C / 8) <= PV_REGISTERS ? C / 8 : 1;
     for (int c0 = 0; c0 < C; c0 += CB)
-        pv_columns(a, table, values, n, stride, probs, total, out_row, G, C, c0, CB, BF16);
+        pv_columns(a, table, values, n, stride, probs, total, out_row, G, C, c0, CB, BF16, Q16);
 }
-/* One query against one KV head: G query heads, rows of C 8-element chunks. */
-ALWAYS_INLINE void attend_one(const Args *a, int64_t query, int kv_head, float *scores, const int C, const int BF16) {
-    const int G = a->num_heads / a->num_kv_heads, bytes = BF16 ? 2 : 4, dim = LANES * C;
+/* One query against one KV head: G query heads, rows of C 8-element chunks; K/V bf16 (BF16) or
+ * fp32, q and out bf16 (Q16) or fp32. */
+ALWAYS_INLINE void attend_one(const Args *a, int64_t query, int kv_head, float *scores, const int C,
+                              const int BF16, const int Q16) {
+    const int G = a->num_heads / a->num_kv_heads, bytes = BF16 ? 2 : 4, q_bytes = Q16 ? 2 : 4, dim = LANES * C;
     const int n = a->context_lens[query], stride = padded(n);
     const int64_t head = (int64_t)kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     const int32_t *table = table_of(a, query);
     __m256 query_chunks[MAX_GROUP * MAX_CHUNKS];
     float top[MAX_GROUP], total[MAX_GROUP];
-    const char *q = (const char *)a->q + (query * a->q_token_stride + (int64_t)kv_head * G * dim) * bytes;
+    const char *q = (const char *)a->q + (query * a->q_token_stride + (int64_t)kv_head * G * dim) * q_bytes;
     for (int r = 0; r < G * C; r++)
-        query_chunks[r] = _mm256_mul_ps(load8(q + LANES * r * bytes, BF16), _mm256_set1_ps(a->scale));
-    prefetch_rows(a, table, 0, AHEAD, n, keys, dim * bytes);
-    qk_scores(a, table, keys, n, stride, query_chunks, scores, top, G, C, BF16);
-    prefetch_rows(a, table, 0, AHEAD, n, values, dim * bytes);
-    softmax_numerators(scores, n, stride, top, total, G, BF16);
-    char *out = (char *)a->out + (query * a->num_heads + (int64_t)kv_head * G) * dim * bytes;
+        query_chunks[r] = _mm256_mul_ps(load8(q + LANES * r * q_bytes, Q16), _mm256_set1_ps(a->scale));
+    prefetch_positions(a, table, 0, AHEAD, n, keys, dim * bytes);
+    prefetch_positions(a, table, 0, AHEAD, n, values, dim * bytes);
+    qk_scores(a, table, keys, values, n, stride, query_chunks, scores, top, G, C, BF16);
+    softmax_numerators(scores, n, stride, top, total, G, Q16);
+    char *out = (char *)a->out + (query * a->num_heads + (int64_t)kv_head * G) * dim * q_bytes;
     for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
         int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
         const float *p = scores + g0 * stride;
-        char *o = out + g0 * dim * bytes;
-        if (heads == 1) pv_heads(a, table, values, n, stride, p, total + g0, o, 1, C, BF16);
-        else if (heads == 2) pv_heads(a, table, values, n, stride, p, total + g0, o, 2, C, BF16);
-        else if (heads == 3) pv_heads(a, table, values, n, stride, p, total + g0, o, 3, C, BF16);
-        else pv_heads(a, table, values, n, stride, p, total + g0, o, 4, C, BF16);
+        char *o = out + g0 * dim * q_bytes;
+        if (heads == 1) pv_heads(a, table, values, n, stride, p, total + g0, o, 1, C, BF16, Q16);
+        else if (heads == 2) pv_heads(a, table, values, n, stride, p, total + g0, o, 2, C, BF16, Q16);
+        else if (heads == 3) pv_heads(a, table, values, n, stride, p, total + g0, o, 3, C, BF16, Q16);
+        else pv_heads(a, table, values, n, stride, p, total + g0, o, 4, C, BF16, Q16);
     }
 }
-#define VARIANT(C, B) \
-    static void attend_##B##_##C(const Args *a, int64_t m, int h, float *s) { attend_one(a, m, h, s, C, B); }
-VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0) VARIANT(16, 0)
-VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
+#define VARIANT(C, B, Q) \
+    static void attend_##B##Q##_##C(const Args *a, int64_t m, int h, float *s) { attend_one(a, m, h, s, C, B, Q); }
+FOR_EACH_AVX2_VARIANT(VARIANT)
 
-/* The kernel for this dtype and shape (head_dim 16, 32, 64 or 128, group <= MAX_GROUP), or NULL. */
-Attend avx2_variant(int bf16, int group, int head_dim) {
-    static const Attend variants[2][4] = {{attend_0_2, attend_0_4, attend_0_8, attend_0_16},
-                                          {attend_1_2, attend_1_4, attend_1_8, attend_1_16}};
+/* The kernel for these dtypes and this shape (head_dim 16, 32, 64 or 128, group <= MAX_GROUP), or
+ * NULL. */
+Attend avx2_variant(enum Dtypes dtypes, int group, int head_dim) {
+    static const Attend variants[3][4] = AVX2_VARIANT_TABLE(attend_);
     int i = head_dim_index(head_dim);
-    return group < 1 || group > MAX_GROUP || i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
+    return group < 1 || group > MAX_GROUP || i < 0 ? NULL : variants[dtypes][i];
 }
 #else
-Attend avx2_variant(int bf16, int group, int head_dim) { (void)bf16, (void)group, (void)head_dim; return NULL; }
+Attend avx2_variant(enum Dtypes dtypes, int group, int head_dim) {
+    (void)dtypes, (void)group, (void)head_dim;
+    return NULL;
+}
 #endif

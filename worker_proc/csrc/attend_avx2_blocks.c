@@ -1,5 +1,6 @@
 /* AVX2 + FMA paged attention for a block of consecutive queries of one member (a prefill chunk's)
- * against one KV head, fp32 and bf16 KV: the block's R rows (queries x GQA group, at most BLOCK_ROWS)
+ * against one KV head, fp32 or bf16 KV, q and out in the cache's dtype or fp32 over a bf16 cache
+ * (enum Dtypes): the block's R rows (queries x GQA group, at most BLOCK_ROWS)
  * are one small matmul each way, tiled in registers.
  *   q.k  The rows are held transposed, [head_dim][R] (R rows in NV vectors of 8 lanes), and each
  *        K element, broadcast, is multiplied into the R rows of PP positions at once: PP x NV
@@ -9,7 +10,7 @@
  *   p.v  6 rows x 16 dims of the output per pass over a chunk of PV_POSITIONS positions, whose V
  *        rows stay in L1 for every pass: 12 FMAs per two V loads and six broadcasts.
  * Every K and V row is read from memory once for the whole block. Probabilities are rounded to bf16
- * before p.v on bf16 models, as the torch reference rounds them. */
+ * before p.v on bf16 models (Q16), as the torch reference rounds them. */
 #include "paged_attention.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -53,9 +54,10 @@ ALWAYS_INLINE void block_scores(const char *keys, const int64_t *rows, int npad,
     }
 }
 /* scores -> unnormalised probabilities in place over positions [0, n): zero past row r's n_of[r]
- * (every row sees its first n_min positions), bf16-rounded on bf16; each row's sum in total[r]. */
+ * (every row sees its first n_min positions), bf16-rounded where q is bf16 (a bf16 model); each
+ * row's sum in total[r]. */
 ALWAYS_INLINE void block_softmax(float *scores, int n, int n_min, const int *n_of, float *total,
-                                 const int NV, const int BF16) {
+                                 const int NV, const int Q16) {
     const int width = LANES * NV;
     __m256i limit[MAX_VECTORS];
     __m256 top[MAX_VECTORS], sum[MAX_VECTORS];
@@ -77,7 +79,7 @@ ALWAYS_INLINE void block_softmax(float *scores, int n, int n_min, const int *n_o
             __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s), top[v]));  /* > 0 input only where masked next */
             if (p >= n_min) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit[v], _mm256_set1_epi32(p))));
             sum[v] = _mm256_add_ps(sum[v], e);
-            _mm256_storeu_ps(s, BF16 ? round_to_bf16(e) : e);
+            _mm256_storeu_ps(s, Q16 ? round_to_bf16(e) : e);
         }
     for (int v = 0; v < NV; v++) _mm256_storeu_ps(total + LANES * v, sum[v]);
 }
@@ -114,11 +116,12 @@ ALWAYS_INLINE void values_tile(const char *values, const int64_t *rows, int p0, 
     }
 }
 /* count consecutive queries of one member against one KV head: R = count x group rows in NV vectors,
- * rows of C 8-element chunks. scratch: block_scratch_bytes(the block's longest context). */
+ * rows of C 8-element chunks; K/V bf16 (BF16) or fp32, q and out bf16 (Q16) or fp32. scratch:
+ * block_scratch_bytes(the block's longest context). */
 ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_head, float *scratch,
-                               const int NV, const int C, const int BF16) {
+                               const int NV, const int C, const int BF16, const int Q16) {
     const int G = a->num_heads / a->num_kv_heads, R = count * G, width = LANES * NV, dim = LANES * C;
-    const int bytes = BF16 ? 2 : 4, PP = BLOCK_TILE / NV;  /* 12, 6 or 4 positions: 12 accumulators */
+    const int bytes = BF16 ? 2 : 4, q_bytes = Q16 ? 2 : 4, PP = BLOCK_TILE / NV;  /* 12, 6 or 4 positions */
     int n_min, n_of[BLOCK_ROWS];
     const int n = block_contexts(a, first, count, width, n_of, &n_min);
     const int npad = (n + PP - 1) / PP * PP;
@@ -135,13 +138,13 @@ ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_h
                 x[i] = _mm256_setzero_ps();
                 if (r >= R) continue;
                 int64_t q = (first + r / G) * a->q_token_stride + ((int64_t)kv_head * G + r % G) * dim + LANES * c;
-                x[i] = _mm256_mul_ps(load8((const char *)a->q + q * bytes, BF16), _mm256_set1_ps(a->scale));
+                x[i] = _mm256_mul_ps(load8((const char *)a->q + q * q_bytes, Q16), _mm256_set1_ps(a->scale));
             }
             transpose8(x);
             for (int i = 0; i < LANES; i++) _mm256_storeu_ps(qt + (LANES * c + i) * width + r0, x[i]);
         }
     block_scores(keys, rows, npad, qt, scores, NV, PP, C, BF16);
-    block_softmax(scores, n, n_min, n_of, total, NV, BF16);
+    block_softmax(scores, n, n_min, n_of, total, NV, Q16);
     for (int r = 0; r < R; r++) memset(out + r * MAX_HEAD_DIM, 0, dim * sizeof *out);
     for (int p0 = 0; p0 < n; p0 += PV_POSITIONS)
         for (int r0 = 0; r0 < R; r0 += PV_ROWS) {
@@ -149,32 +152,31 @@ ALWAYS_INLINE void attend_rows(const Args *a, int64_t first, int count, int kv_h
             values_tile(values, rows, p0, p1, scores, out, r0, rg, NV, C, BF16);
         }
     for (int r = 0; r < R; r++) {
-        char *o = (char *)a->out + (((first + r / G) * a->num_heads + (int64_t)kv_head * G + r % G) * dim) * bytes;
+        char *o = (char *)a->out + (((first + r / G) * a->num_heads + (int64_t)kv_head * G + r % G) * dim) * q_bytes;
         __m256 inverse = _mm256_set1_ps(1.0f / total[r]);
         for (int c = 0; c < C; c++)
-            store8(o + LANES * c * bytes, _mm256_mul_ps(_mm256_loadu_ps(out + r * MAX_HEAD_DIM + LANES * c), inverse), BF16);
+            store8(o + LANES * c * q_bytes, _mm256_mul_ps(_mm256_loadu_ps(out + r * MAX_HEAD_DIM + LANES * c), inverse), Q16);
     }
 }
-#define VARIANT(C, B) \
-    static void rows_##B##_##C(const Args *a, int64_t f, int k, int h, float *s) { \
+#define VARIANT(C, B, Q) \
+    static void rows_##B##Q##_##C(const Args *a, int64_t f, int k, int h, float *s) { \
         int vectors = (k * (a->num_heads / a->num_kv_heads) + LANES - 1) / LANES; \
-        if (vectors == 1) attend_rows(a, f, k, h, s, 1, C, B); \
-        else if (vectors == 2) attend_rows(a, f, k, h, s, 2, C, B); \
-        else attend_rows(a, f, k, h, s, 3, C, B); \
+        if (vectors == 1) attend_rows(a, f, k, h, s, 1, C, B, Q); \
+        else if (vectors == 2) attend_rows(a, f, k, h, s, 2, C, B, Q); \
+        else attend_rows(a, f, k, h, s, 3, C, B, Q); \
     }
-VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0) VARIANT(16, 0)
-VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1) VARIANT(16, 1)
+FOR_EACH_AVX2_VARIANT(VARIANT)
 
-/* The block kernel for this dtype and shape (blocks of at most BLOCK_ROWS / group queries), or NULL. */
-AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
-    static const AttendBlock variants[2][4] = {{rows_0_2, rows_0_4, rows_0_8, rows_0_16},
-                                               {rows_1_2, rows_1_4, rows_1_8, rows_1_16}};
+/* The block kernel for these dtypes and this shape (blocks of at most BLOCK_ROWS / group queries),
+ * or NULL. */
+AttendBlock avx2_block_variant(enum Dtypes dtypes, int group, int head_dim) {
+    static const AttendBlock variants[3][4] = AVX2_VARIANT_TABLE(rows_);
     int i = head_dim_index(head_dim);  /* groups past BLOCK_ROWS / 2: blocks of one query, the decode path */
-    return group < 1 || 2 * group > BLOCK_ROWS || i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
+    return group < 1 || 2 * group > BLOCK_ROWS || i < 0 ? NULL : variants[dtypes][i];
 }
 #else
-AttendBlock avx2_block_variant(int bf16, int group, int head_dim) {
-    (void)bf16, (void)group, (void)head_dim;
+AttendBlock avx2_block_variant(enum Dtypes dtypes, int group, int head_dim) {
+    (void)dtypes, (void)group, (void)head_dim;
     return NULL;
 }
 #endif

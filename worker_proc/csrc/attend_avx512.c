@@ -10,16 +10,10 @@
 
 #include "avx512_lanes.h"
 
-#define AHEAD 2      /* tiles of K prefetched ahead */
 #define MAX_CHUNKS 8 /* 64-byte chunks per head row */
 #define PV_GROUP 4   /* query heads per p.v pass */
 ALWAYS_INLINE __m512i interleave(__m512i x, __m512i y, int high) {  /* x0 y0 x1 y1 .. per 128-bit lane */
     return high ? _mm512_unpackhi_epi16(x, y) : _mm512_unpacklo_epi16(x, y);
-}
-static inline void prefetch_rows(const char *base, const int64_t rows[TILE], int element_bytes,
-                                 int row_bytes) {
-    for (int i = 0; i < TILE; i++)
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(base + rows[i] * element_bytes + b, _MM_HINT_T0);
 }
 /* One level of the transpose-add tree: lane l with l % 2w < w sums a's lanes l and l + w, the
  * others sum b's lanes l - w and l. Four levels (w = 8, 4, 2, 1) leave lane i = position i. */
@@ -132,18 +126,14 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, floa
         for (int c = 0; c < C; c++) query_chunks[g][c] = _mm512_loadu_si512(q + g * dim * bytes + 64 * c);
         top[g] = _mm512_set1_ps(-INFINITY);
     }
-    int64_t rows[TILE], ahead[TILE];
-    for (int start = 0; start < n && start < AHEAD * TILE; start += TILE) {
-        tile_rows(table, a->block_size, start, n, dim, TILE, ahead);
-        prefetch_rows(keys, ahead, bytes, dim * bytes);
-    }
+    int64_t rows[TILE];
+    const int row_bytes = dim * bytes;
+    prefetch_positions(a, table, 0, AHEAD, n, keys, row_bytes);
+    prefetch_positions(a, table, 0, AHEAD, n, values, row_bytes);
     for (int start = 0; start < n; start += TILE) {
         tile_rows(table, a->block_size, start, n, dim, TILE, rows);
-        if (start + AHEAD * TILE < n) {
-            tile_rows(table, a->block_size, start + AHEAD * TILE, n, dim, TILE, ahead);
-            prefetch_rows(keys, ahead, bytes, dim * bytes);
-        }
-        prefetch_rows(values, rows, bytes, dim * bytes);
+        prefetch_positions(a, table, start + AHEAD, TILE, n, keys, row_bytes);
+        prefetch_positions(a, table, start + AHEAD, TILE, n, values, row_bytes);
         for (int g = 0; g < G; g++) {
             __m512 s = _mm512_mul_ps(qk_tile(keys, rows, query_chunks[g], C, BF16), _mm512_set1_ps(a->scale));
             top[g] = _mm512_mask_max_ps(top[g], valid_lanes(start, n), top[g], s);
@@ -191,13 +181,18 @@ VARIANT(1, 1) VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1)
 static const Attend vector_variants[2][MAX_CHUNKS] = {
     {attend_0_1, attend_0_2, NULL, attend_0_4, NULL, NULL, NULL, attend_0_8}, BF16_VARIANTS};
 
-/* The kernel for this dtype and shape: head rows of 64, 128, 256 or 512 bytes. */
-Attend avx512_variant(int bf16, int group, int head_dim) {
-    int row_bytes = head_dim * (bf16 ? 2 : 4);
-    if (group >= 1 && group <= MAX_GROUP && row_bytes % 64 == 0 && row_bytes / 64 <= MAX_CHUNKS)
-        return vector_variants[bf16 ? 1 : 0][row_bytes / 64 - 1];
+/* The kernel for these dtypes (q in the cache's: fp32 q over a bf16 cache would lose dpbf16) and
+ * this shape: head rows of 64, 128, 256 or 512 bytes. */
+Attend avx512_variant(enum Dtypes dtypes, int group, int head_dim) {
+    int bf16 = dtypes == ALL_BF16, row_bytes = head_dim * (bf16 ? 2 : 4);
+    if (dtypes != F32_OVER_BF16 && group >= 1 && group <= MAX_GROUP && row_bytes % 64 == 0
+            && row_bytes / 64 <= MAX_CHUNKS)
+        return vector_variants[bf16][row_bytes / 64 - 1];
     return NULL;
 }
 #else
-Attend avx512_variant(int bf16, int group, int head_dim) { (void)bf16, (void)group, (void)head_dim; return NULL; }
+Attend avx512_variant(enum Dtypes dtypes, int group, int head_dim) {
+    (void)dtypes, (void)group, (void)head_dim;
+    return NULL;
+}
 #endif

@@ -194,16 +194,18 @@ VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1)
 #define BF16_BLOCKS {NULL, NULL, NULL, NULL}
 #endif
 
-/* The block kernel for this dtype and shape (blocks of at most WIDE_BLOCK_ROWS / group queries), or
- * NULL: head_dim 16 (fp32 only), 32, 64 or 128; bf16 needs AVX512-BF16. */
-AttendBlock avx512_block_variant(int bf16, int group, int head_dim) {
+/* The block kernel for these dtypes (q in the cache's) and this shape (blocks of at most
+ * WIDE_BLOCK_ROWS / group queries), or NULL: head_dim 16 (fp32 only), 32, 64 or 128; bf16 needs
+ * AVX512-BF16. */
+AttendBlock avx512_block_variant(enum Dtypes dtypes, int group, int head_dim) {
     static const AttendBlock variants[2][4] = {{wide_0_1, wide_0_2, wide_0_4, wide_0_8}, BF16_BLOCKS};
     int i = head_dim == 16 ? 0 : head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : -1;
-    return group < 1 || 2 * group > WIDE_BLOCK_ROWS || i < 0 ? NULL : variants[bf16 ? 1 : 0][i];
+    if (dtypes == F32_OVER_BF16 || group < 1 || 2 * group > WIDE_BLOCK_ROWS || i < 0) return NULL;
+    return variants[dtypes == ALL_BF16][i];
 }
 #else
-AttendBlock avx512_block_variant(int bf16, int group, int head_dim) {
-    (void)bf16, (void)group, (void)head_dim;
+AttendBlock avx512_block_variant(enum Dtypes dtypes, int group, int head_dim) {
+    (void)dtypes, (void)group, (void)head_dim;
     return NULL;
 }
 #endif

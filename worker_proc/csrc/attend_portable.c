@@ -1,5 +1,5 @@
-/* Portable paged attention: any head_dim and GQA group, bf16 or fp32; what the vectorised paths
- * (attend_avx2.c, attend_avx512.c) do not cover. */
+/* Portable paged attention: any head_dim and GQA group, any of enum Dtypes; what the vectorised
+ * paths (attend_avx2.c, attend_avx512.c) do not cover. */
 #include <math.h>
 
 #include "paged_attention.h"
@@ -10,14 +10,14 @@ static inline float element(const void *base, int64_t index, int bf16) {
 
 void attend_portable(const Args *a, int64_t query, int kv_head, float *scores) {
     int n = a->context_lens[query], group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
-    int bf16 = a->bf16, bs = a->block_size;
+    int bf16 = a->bf16, q_bf16 = a->q_bf16, bs = a->block_size;
     int64_t head = kv_head * a->num_slots * dim;
     int64_t q_offset = query * a->q_token_stride + kv_head * group * dim;
     const int32_t *table = table_of(a, query);
     float acc[dim], q[dim];
     for (int g = 0; g < group; g++) {
         float *s = scores + g * padded(n), top = -INFINITY, sum = 0.0f;
-        for (int d = 0; d < dim; d++) q[d] = element(a->q, q_offset + g * dim + d, bf16) * a->scale;
+        for (int d = 0; d < dim; d++) q[d] = element(a->q, q_offset + g * dim + d, q_bf16) * a->scale;
         for (int p = 0; p < n; p++) {
             int64_t offset = head + ((int64_t)table[p / bs] * bs + p % bs) * dim;
             float dot = 0.0f;
@@ -34,7 +34,7 @@ void attend_portable(const Args *a, int64_t query, int kv_head, float *scores) {
         }
         int64_t dst = (query * a->num_heads + kv_head * group + g) * dim;
         for (int d = 0; d < dim; d++) {
-            if (bf16) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[d] / sum);
+            if (q_bf16) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[d] / sum);
             else ((float *)a->out)[dst + d] = acc[d] / sum;
         }
     }

@@ -10,6 +10,17 @@
 #define LANES 8       /* fp32 lanes */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* The variants each AVX2 path is built in: V(C, B, Q) for C 8-element chunks per head row (head_dim
+ * 16-128), bf16 K/V (B) and bf16 q and output (Q), the three dtype pairs of enum Dtypes; and the
+ * table of a path's variants named prefix##BQ_C, indexed [enum Dtypes][head_dim_index]. */
+#define FOR_EACH_AVX2_VARIANT(V) \
+    V(2, 0, 0) V(4, 0, 0) V(8, 0, 0) V(16, 0, 0) \
+    V(2, 1, 1) V(4, 1, 1) V(8, 1, 1) V(16, 1, 1) \
+    V(2, 1, 0) V(4, 1, 0) V(8, 1, 0) V(16, 1, 0)
+#define AVX2_VARIANT_TABLE(prefix) {{prefix##00_2, prefix##00_4, prefix##00_8, prefix##00_16}, \
+                                    {prefix##11_2, prefix##11_4, prefix##11_8, prefix##11_16}, \
+                                    {prefix##10_2, prefix##10_4, prefix##10_8, prefix##10_16}}
+
 static inline int head_dim_index(int head_dim) {  /* the vector paths' variant: 16, 32, 64, 128 -> 0..3; else -1 */
     for (int i = 0, dim = 16; i < 4; i++, dim *= 2)
         if (head_dim == dim) return i;

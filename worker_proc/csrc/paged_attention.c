@@ -10,40 +10,46 @@
 #define MAX_THREADS 64
 
 enum Status { OK = 0, BAD_SHAPE = -1, BAD_CONTEXT = -2, SHORT_TABLE = -3, NO_MEMORY = -4,
-              BAD_MEMBER = -5, BAD_BLOCK = -6 };
+              BAD_MEMBER = -5, BAD_BLOCK = -6, BAD_DTYPES = -7 };
 enum Path { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 
-static enum Path path_for(int bf16, int group, int head_dim, Attend *attend) {
-    if ((*attend = avx512_variant(bf16, group, head_dim)) != NULL) return AVX512;
-    if ((*attend = avx2_variant(bf16, group, head_dim)) != NULL) return AVX2;
+static enum Path path_for(enum Dtypes dtypes, int group, int head_dim, Attend *attend) {
+    if ((*attend = avx512_variant(dtypes, group, head_dim)) != NULL) return AVX512;
+    if ((*attend = avx2_variant(dtypes, group, head_dim)) != NULL) return AVX2;
     *attend = attend_portable;
     return PORTABLE;
 }
 
-/* Which path paged_attend takes for this dtype and shape on this build: enum Path. */
-int paged_attention_path(int bf16, int group, int head_dim) {
+static int valid_dtypes(int dtypes) { return dtypes == ALL_F32 || dtypes == ALL_BF16 || dtypes == F32_OVER_BF16; }
+
+/* Which path paged_attend takes for these dtypes (enum Dtypes) and this shape on this build: enum
+ * Path, or -1 for dtypes outside the enum. */
+int paged_attention_path(int dtypes, int group, int head_dim) {
     Attend attend;
-    return path_for(bf16, group, head_dim, &attend);
+    return valid_dtypes(dtypes) ? (int)path_for((enum Dtypes)dtypes, group, head_dim, &attend) : -1;
 }
 
 /* The kernel for blocks of a prefill chunk's queries, at most *per_block queries each (NULL: every
  * query on its own): it reads each K/V row once per block, where the per-query paths read it once
- * per query. The AVX512 block kernel where it covers the dtype (bf16 needs AVX512-BF16) and shape,
- * else the AVX2 one, on AVX512 builds too. */
-static AttendBlock block_for(enum Path path, int bf16, int group, int head_dim, int *per_block) {
+ * per query. The AVX512 block kernel where it covers the dtypes (bf16 needs AVX512-BF16; fp32 q over
+ * a bf16 cache it leaves to AVX2) and shape, else the AVX2 one, on AVX512 builds too. */
+static AttendBlock block_for(enum Path path, enum Dtypes dtypes, int group, int head_dim, int *per_block) {
     AttendBlock block = NULL;
     if (path == PORTABLE) return NULL;
-    if ((block = avx512_block_variant(bf16, group, head_dim)) != NULL) *per_block = WIDE_BLOCK_ROWS / group;
-    else if ((block = avx2_block_variant(bf16, group, head_dim)) != NULL) *per_block = BLOCK_ROWS / group;
+    if ((block = avx512_block_variant(dtypes, group, head_dim)) != NULL) *per_block = WIDE_BLOCK_ROWS / group;
+    else if ((block = avx2_block_variant(dtypes, group, head_dim)) != NULL) *per_block = BLOCK_ROWS / group;
     return block;
 }
 
-/* Which block path paged_attend takes for a prefill chunk: 0 none, 1 AVX2, 2 AVX512. */
-int paged_attention_block_path(int bf16, int group, int head_dim) {
+/* Which block path paged_attend takes for a prefill chunk: 0 none, 1 AVX2, 2 AVX512; -1 for dtypes
+ * outside enum Dtypes. */
+int paged_attention_block_path(int dtypes, int group, int head_dim) {
     Attend attend;
     int per_block = 1;
-    AttendBlock block = block_for(path_for(bf16, group, head_dim, &attend), bf16, group, head_dim, &per_block);
-    return block == NULL ? 0 : block == avx512_block_variant(bf16, group, head_dim) ? 2 : 1;
+    if (!valid_dtypes(dtypes)) return -1;
+    enum Dtypes d = (enum Dtypes)dtypes;
+    AttendBlock block = block_for(path_for(d, group, head_dim, &attend), d, group, head_dim, &per_block);
+    return block == NULL ? 0 : block == avx512_block_variant(d, group, head_dim) ? 2 : 1;
 }
 
 /* Every block a query reads names a block of the cache: each member's table is checked once, up to
@@ -82,25 +88,28 @@ static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int
     return num_blocks;
 }
 
-/* Writes every row of out. Returns OK, NO_MEMORY (out incomplete) or, with nothing written:
- * BAD_SHAPE (heads, head_dim or block_size), BAD_MEMBER (a token's member is not a row of
+/* Writes every row of out. dtypes: enum Dtypes. Returns OK, NO_MEMORY (out incomplete) or, with
+ * nothing written: BAD_DTYPES, BAD_SHAPE (heads, head_dim or block_size), BAD_MEMBER (a token's member is not a row of
  * block_tables), BAD_CONTEXT (a context < 1), SHORT_TABLE (a context past its block table) or
  * BAD_BLOCK (a table names a block outside the cache), with *where the token or member at fault. */
 int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
                  int64_t num_slots, const int32_t *block_tables, int64_t num_seqs, int64_t max_blocks,
                  const int32_t *token_members, const int32_t *context_lens, int64_t num_tokens,
-                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int bf16,
+                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtypes,
                  int num_threads, int64_t *where) {
+    if (!valid_dtypes(dtypes)) return BAD_DTYPES;
     if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
     Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
-                 token_members, context_lens, num_heads, num_kv_heads, head_dim, block_size, bf16, scale};
+                 token_members, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                 dtypes != ALL_F32, dtypes == ALL_BF16, scale};
     int status = check_reads(&args, num_tokens, num_seqs, where);
     if (status != OK) return status;
     int group = num_heads / num_kv_heads, max_context = 1;
     for (int64_t t = 0; t < num_tokens; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     Attend attend;
     int per_block = 1;
-    AttendBlock attend_block = block_for(path_for(bf16, group, head_dim, &attend), bf16, group, head_dim, &per_block);
+    AttendBlock attend_block = block_for(path_for((enum Dtypes)dtypes, group, head_dim, &attend), (enum Dtypes)dtypes,
+                                         group, head_dim, &per_block);
     int64_t *starts = malloc(((size_t)num_tokens + 1) * sizeof *starts);
     if (starts == NULL) return NO_MEMORY;
     int64_t items = make_blocks(&args, num_tokens, per_block, starts) * num_kv_heads;

@@ -5,7 +5,10 @@
  * cache). A decode is a member with one token; a prefill chunk's tokens see one position more each.
  *   q             [num_tokens, num_heads, head_dim], token rows q_token_stride elements apart
  *   out           [num_tokens, num_heads, head_dim] contiguous, q's dtype
- *   k_cache, v_cache [num_kv_heads, num_slots, head_dim] contiguous, q's dtype (bf16 or fp32)
+ *   k_cache, v_cache [num_kv_heads, num_slots, head_dim] contiguous, bf16 or fp32
+ * The dtypes (enum Dtypes): all fp32, all bf16, or fp32 q and out over a bf16 cache (an fp32 model
+ * keeping its K/V in bf16: the K/V rows are widened as they load, exactly, and everything else is
+ * fp32, as in the torch reference's mixed mode).
  *   block_tables  int32 [num_seqs, max_blocks]; slot of position p = table[p / bs] * bs + p % bs
  *   token_members int32 [num_tokens]: each token's row of block_tables
  *   context_lens  int32 [num_tokens]: positions each token attends to, >= 1
@@ -30,8 +33,13 @@ typedef struct {
     const void *q; int64_t q_token_stride; void *out; const void *k_cache, *v_cache; int64_t num_slots;
     const int32_t *block_tables; int64_t max_blocks;
     const int32_t *token_members, *context_lens;  /* [num_tokens] each */
-    int num_heads, num_kv_heads, head_dim, block_size, bf16; float scale;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    int bf16, q_bf16;  /* the caches' dtype, and q's and out's */
+    float scale;
 } Args;
+/* The order is the rows of each path's variant table (AVX2_VARIANT_TABLE) and the values Python
+ * passes (native_kernel._DTYPES). */
+enum Dtypes { ALL_F32 = 0, ALL_BF16 = 1, F32_OVER_BF16 = 2 };
 
 /* One (query, KV head) work item. scores: float [group][stride] then bf16 [group][stride], stride =
  * the query's context rounded up to TILE. */
@@ -43,10 +51,10 @@ typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
 typedef void (*AttendBlock)(const Args *, int64_t first_query, int count, int kv_head, float *scratch);
 
 /* The vectorised path for this dtype and shape on the ISA compiled for, or NULL. */
-Attend avx512_variant(int bf16, int group, int head_dim);
-Attend avx2_variant(int bf16, int group, int head_dim);
-AttendBlock avx2_block_variant(int bf16, int group, int head_dim);
-AttendBlock avx512_block_variant(int bf16, int group, int head_dim);
+Attend avx512_variant(enum Dtypes dtypes, int group, int head_dim);
+Attend avx2_variant(enum Dtypes dtypes, int group, int head_dim);
+AttendBlock avx2_block_variant(enum Dtypes dtypes, int group, int head_dim);
+AttendBlock avx512_block_variant(enum Dtypes dtypes, int group, int head_dim);
 static inline size_t block_scratch_bytes(int max_context) {  /* scores, output rows, row offsets: either path's */
     size_t positions = ((size_t)max_context + WIDE_BLOCK_TILE - 1) / WIDE_BLOCK_TILE * WIDE_BLOCK_TILE;  /* a multiple of both tiles */
     return (positions * WIDE_BLOCK_ROWS + WIDE_BLOCK_ROWS * MAX_HEAD_DIM) * sizeof(float) + positions * sizeof(int64_t);
@@ -69,6 +77,25 @@ static inline void tile_rows(const int32_t *table, int block_size, int start, in
     for (int i = 0; i < count; i++) {
         int p = start + i < n ? start + i : n - 1;
         rows[i] = ((int64_t)table[p / block_size] * block_size + p % block_size) * head_dim;
+    }
+}
+
+#define AHEAD 32 /* positions of K and V the vector paths ask for ahead of the tile at hand */
+/* Asks for the K or V rows (row_bytes each from base) of positions [p, p + count), clipped to n, one
+ * block's run at a time. A decode's blocks lie anywhere in a cache far larger than L3, and each is a
+ * run of memory where the hardware prefetcher starts over; the vector paths ask for the K and V
+ * rows of the positions a few tiles ahead while q.k works on the tile at hand. Into L2 (locality 2:
+ * prefetcht1), so the requests do not hold the L1 miss buffers that the tile's own loads need:
+ * decodes read from memory 1.1-1.45x faster as the scheduler places their blocks, and up to 1.7x
+ * from shuffled ones, than when only K was asked for, into L1 (docs/benchmarks.md, "Decode attention
+ * from memory"). */
+static inline void prefetch_positions(const Args *a, const int32_t *table, int p, int count, int n,
+                                      const char *base, int row_bytes) {
+    for (int end = p + count < n ? p + count : n; p < end;) {
+        int in_block = a->block_size - p % a->block_size, rows = end - p < in_block ? end - p : in_block;
+        const char *row = base + ((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size) * row_bytes;
+        for (int offset = 0; offset < rows * row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
+        p += rows;
     }
 }
 

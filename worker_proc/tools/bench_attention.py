@@ -9,16 +9,22 @@ every case then runs each build in turn, repeat after repeat, and keeps each bui
 so that the builds share the machine's noise. Cases: one prefill chunk from position 0 (token t of
 the chunk attends to t + 1 positions) and a decode batch (every member one query over the same
 context), on the default model's attention shape unless told otherwise, block tables shuffled
-over the cache. The outputs of every build are compared with the first build's.
+over the cache. The outputs of every build are compared with the first build's. With
+--cache-copies N, each build attends N copies of the caches in turn, as a step's N layers do: the
+default model's 30 layers of 64 decodes x 256 positions are 380 MB of K and V in bf16 (twice that
+in fp32), which a served decode reads from memory, where one layer's copy (the default here) stays
+in L3 from call to call.
+
+    python -m worker_proc.tools.bench_attention --cache-copies 30 --decode-context 256 --prefill-tokens 0
 
     python -m scheduler_proc.tools.block_runs --trace heavy.jsonl --num-kv-blocks 1456 --save-tables t.npz
     python -m worker_proc.tools.bench_attention --decode-tables t.npz
 
 With --decode-tables, the decode members of a served trace's steps (as block_runs saved them) are
-timed on the first build instead: their tables as the scheduler handed them out, the same tables
-with every block moved to a random place, and with each member's blocks consecutive, the three
-alternating, over several copies of the caches in turn (every layer has its own: a served
-decode finds none of its K and V in the caches).
+timed instead, one row per build, the builds alternating call by call: their tables as the
+scheduler handed them out, the same tables with every block moved to a random place, and with each
+member's blocks consecutive, the three alternating, over several copies of the caches in turn
+(every layer has its own: a served decode finds none of its K and V in the caches).
 
     python -m worker_proc.tools.bench_attention --block-sizes 16,32,64 --dtypes bfloat16
 
@@ -43,11 +49,13 @@ from proto.config import CPU_ISAS
 from worker_proc.attention.native_build import SOURCE_DIR, build
 from worker_proc.attention.native_kernel import PagedAttentionKernel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --dtypes names -> (q's dtype, the caches'): the last is an fp32 model over a bf16 cache (the mixed path)
+DTYPES = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.bfloat16),
+          "float32-over-bfloat16": (torch.float32, torch.bfloat16)}
 Case = tuple[torch.Tensor, ...]  # q, out, k_cache, v_cache, block_tables, token_members, context_lens
 
 
-def make_case(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> Case:
+def make_case(kind: str, args: argparse.Namespace, dtypes: tuple[torch.dtype, torch.dtype]) -> Case:
     """Random q and caches, and the tables of a prefill chunk or a decode batch."""
     if kind == "prefill":
         num_seqs, longest = 1, args.prefill_tokens
@@ -61,21 +69,24 @@ def make_case(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> Case:
     num_blocks = num_seqs * blocks_per_seq
     block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(num_seqs, blocks_per_seq).contiguous()
     cache_shape = (args.num_kv_heads, num_blocks * args.block_size, args.head_dim)
-    k_cache, v_cache = torch.randn(cache_shape).to(dtype), torch.randn(cache_shape).to(dtype)
-    q = torch.randn(len(token_members), args.num_heads, args.head_dim).to(dtype)
+    k_cache, v_cache = torch.randn(cache_shape).to(dtypes[1]), torch.randn(cache_shape).to(dtypes[1])
+    q = torch.randn(len(token_members), args.num_heads, args.head_dim).to(dtypes[0])
     return q, torch.empty_like(q), k_cache, v_cache, block_tables, token_members, context_lens
 
 
 def time_builds(kernels: list[PagedAttentionKernel], case: Case, args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """Each build's fastest call in seconds, and its largest difference from the first build's output."""
+    """Each build's fastest call in seconds (a round of args.cache_copies calls, one on each copy of
+    the caches, divided by their number), and its largest difference from the first build's output."""
     q, out, k_cache, v_cache, block_tables, token_members, context_lens = case
+    copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(args.cache_copies - 1)]
     best, outputs = [float("inf")] * len(kernels), []
     for repeat in range(args.repeats):
         for index, kernel in enumerate(kernels):
             start = time.perf_counter()
-            kernel(q, out, k_cache, v_cache, block_tables, token_members, context_lens, args.block_size,
-                   args.num_threads)
-            best[index] = min(best[index], time.perf_counter() - start)
+            for k_copy, v_copy in copies:
+                kernel(q, out, k_copy, v_copy, block_tables, token_members, context_lens, args.block_size,
+                       args.num_threads)
+            best[index] = min(best[index], (time.perf_counter() - start) / len(copies))
             if repeat == 0:
                 outputs.append(out.float().clone())
     return best, [float((o - outputs[0]).abs().max()) for o in outputs]
@@ -84,7 +95,8 @@ def time_builds(kernels: list[PagedAttentionKernel], case: Case, args: argparse.
 LAYOUTS = ("as served", "shuffled", "consecutive")
 
 
-def served_cases(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> list[tuple[str, dict[str, Case]]]:
+def served_cases(path: Path, args: argparse.Namespace,
+                 dtypes: tuple[torch.dtype, torch.dtype]) -> list[tuple[str, dict[str, Case]]]:
     """Per saved step: its decode members under each of LAYOUTS (one set of caches, blocks of the
     served pool's size)."""
     saved = np.load(path)
@@ -92,7 +104,7 @@ def served_cases(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> li
     if block_size != args.block_size:
         raise ValueError(f"{path} holds tables of {block_size}-position blocks; pass --block-size {block_size}")
     cache_shape = (args.num_kv_heads, num_blocks * block_size, args.head_dim)
-    k_cache, v_cache = torch.randn(cache_shape).to(dtype), torch.randn(cache_shape).to(dtype)
+    k_cache, v_cache = torch.randn(cache_shape).to(dtypes[1]), torch.randn(cache_shape).to(dtypes[1])
     steps = []
     for name in sorted((n for n in saved.files if n.endswith("_tables")), key=lambda n: int(n[4:-7])):
         tables, contexts = torch.from_numpy(saved[name]), torch.from_numpy(saved[name[:-7] + "_contexts"])
@@ -102,7 +114,7 @@ def served_cases(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> li
         shuffled[used] = torch.randperm(num_blocks, dtype=torch.int32)[:int(used.sum())]
         consecutive = torch.zeros_like(tables)
         consecutive[used] = torch.arange(int(used.sum()), dtype=torch.int32)
-        q = torch.randn(len(contexts), args.num_heads, args.head_dim).to(dtype)
+        q = torch.randn(len(contexts), args.num_heads, args.head_dim).to(dtypes[0])
         members = torch.arange(len(contexts), dtype=torch.int32)
         cases = {layout: (q, torch.empty_like(q), k_cache, v_cache, table.contiguous(), members, contexts)
                  for layout, table in zip(LAYOUTS, (tables, shuffled, consecutive))}
@@ -110,41 +122,43 @@ def served_cases(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> li
     return steps
 
 
-def time_alternating(kernel: PagedAttentionKernel, cases: dict[str, tuple[Case, int]],
-                     args: argparse.Namespace) -> dict[str, float]:
-    """Each case's fastest call in ms, the cases (each with its block size) alternating, each call
-    on the next of args.cache_copies copies of that case's caches (so no call finds the last one's
-    K and V cached). Cases that share their caches share the copies."""
+def time_alternating(kernels: list[PagedAttentionKernel], cases: dict[str, tuple[Case, int]],
+                     args: argparse.Namespace) -> list[dict[str, float]]:
+    """Per build, each case's fastest call in ms, the cases (each with its block size) and the
+    builds alternating, each call on the next of args.cache_copies copies of that case's caches (so
+    no call finds the last one's K and V cached). Cases that share their caches share the copies."""
     copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for case, _ in cases.values():
         if id(case[2]) not in copies:
             copies[id(case[2])] = [(case[2].clone(), case[3].clone()) for _ in range(args.cache_copies)]
-    best = dict.fromkeys(cases, float("inf"))
+    best = [dict.fromkeys(cases, float("inf")) for _ in kernels]
     calls = 0
     for _ in range(args.repeats):
         for name, ((q, out, k_cache, _, tables, members, contexts), block_size) in cases.items():
             own = copies[id(k_cache)]
-            k_copy, v_copy = own[calls % len(own)]
-            calls += 1
-            start = time.perf_counter()
-            kernel(q, out, k_copy, v_copy, tables, members, contexts, block_size, args.num_threads)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: round(seconds * 1e3, 3) for name, seconds in best.items()}
+            for kernel, fastest in zip(kernels, best):
+                k_copy, v_copy = own[calls % len(own)]
+                calls += 1
+                start = time.perf_counter()
+                kernel(q, out, k_copy, v_copy, tables, members, contexts, block_size, args.num_threads)
+                fastest[name] = min(fastest[name], time.perf_counter() - start)
+    return [{name: round(seconds * 1e3, 3) for name, seconds in fastest.items()} for fastest in best]
 
 
-def time_layouts(kernel: PagedAttentionKernel, cases: dict[str, Case], args: argparse.Namespace) -> dict[str, float]:
-    """Each layout's fastest call in ms (time_alternating, every layout of args.block_size)."""
-    return time_alternating(kernel, {layout: (case, args.block_size) for layout, case in cases.items()}, args)
+def time_layouts(kernels: list[PagedAttentionKernel], cases: dict[str, Case],
+                 args: argparse.Namespace) -> list[dict[str, float]]:
+    """Per build, each layout's fastest call in ms (time_alternating, every layout of args.block_size)."""
+    return time_alternating(kernels, {layout: (case, args.block_size) for layout, case in cases.items()}, args)
 
 
-def time_block_sizes(kernel: PagedAttentionKernel, kind: str, dtype: torch.dtype,
+def time_block_sizes(kernel: PagedAttentionKernel, kind: str, dtypes: tuple[torch.dtype, torch.dtype],
                      args: argparse.Namespace) -> dict[str, float]:
     """The case of this kind once per block size of args.block_sizes, alternating (time_alternating)."""
     cases = {}
     for block_size in args.block_sizes:
-        case = make_case(kind, argparse.Namespace(**{**vars(args), "block_size": block_size}), dtype)
+        case = make_case(kind, argparse.Namespace(**{**vars(args), "block_size": block_size}), dtypes)
         cases[f"block {block_size}"] = (case, block_size)
-    return time_alternating(kernel, cases, args)
+    return time_alternating([kernel], cases, args)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sources", default=str(SOURCE_DIR),
                         help="comma-separated kernel source directories to compare (default: this checkout's)")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help=f"comma-separated, of {', '.join(DTYPES)} (fp32 q and output over a bf16 cache)")
     parser.add_argument("--num-heads", type=int, default=9)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -167,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--decode-tables", type=Path,
                         help="an .npz from scheduler_proc.tools.block_runs: time its steps' decodes instead")
-    parser.add_argument("--cache-copies", type=int, default=4,
-                        help="with --decode-tables or --block-sizes: caches in turn")
+    parser.add_argument("--cache-copies", type=int,
+                        help="copies of each case's caches that the calls attend in turn, as a step's layers "
+                             "do (default: 1, the same caches, comparing builds; 4 with --decode-tables or "
+                             "--block-sizes)")
     parser.add_argument("--block-sizes", default="",
                         help="comma-separated KV block sizes: time the first build at each, alternating")
     args = parser.parse_args(argv)
@@ -176,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         args.block_sizes = [int(part) for part in args.block_sizes.split(",") if part]
     except ValueError:
         print(f"bench_attention: --block-sizes takes integers, got {args.block_sizes!r}", file=sys.stderr)
+        return 2
+    unknown = [name for name in args.dtypes.split(",") if name not in DTYPES]
+    if unknown:
+        print(f"bench_attention: --dtypes takes {', '.join(DTYPES)}, got {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if args.cache_copies is None:
+        args.cache_copies = 4 if args.decode_tables or args.block_sizes else 1
+    if args.cache_copies < 1:
+        print(f"bench_attention: --cache-copies must be >= 1, got {args.cache_copies}", file=sys.stderr)
         return 2
     if any(size < 1 for size in args.block_sizes):
         print(f"bench_attention: --block-sizes must be >= 1, got {args.block_sizes}", file=sys.stderr)
@@ -185,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     sources = [Path(part) for part in args.sources.split(",") if part]
     kernels = [PagedAttentionKernel(ctypes.CDLL(str(build(cpu_isa=args.cpu_isa, source_dir=s))), s, None)
                for s in sources]
+    older = [str(s) for s, k in zip(sources, kernels) if not k.takes_mixed_dtypes]
+    if older and any(DTYPES[name][0] != DTYPES[name][1] for name in args.dtypes.split(",")):
+        print(f"bench_attention: {', '.join(older)} predate fp32 q over a bf16 cache; leave "
+              f"float32-over-bfloat16 out of --dtypes for them", file=sys.stderr)
+        return 2
     if args.decode_tables:
         for dtype_name in args.dtypes.split(","):
             try:
@@ -193,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_attention: {args.decode_tables}: {exc}", file=sys.stderr)
                 return 2
             for label, cases in steps:
-                print(json.dumps({"dtype": dtype_name, "case": label, "ms": time_layouts(kernels[0], cases, args)}),
-                      flush=True)
+                for source, ms in zip(sources, time_layouts(kernels, cases, args)):
+                    print(json.dumps({"dtype": dtype_name, "case": label, "build": str(source), "ms": ms}), flush=True)
         return 0
     rows = []
     for dtype_name in args.dtypes.split(","):
@@ -210,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"dtype": dtype_name, "case": kind,
                          "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
                          "max_abs_diff_from_first": diffs,
-                         "path": {str(s): k.code_path(DTYPES[dtype_name], group, args.head_dim)
+                         "path": {str(s): k.code_path(DTYPES[dtype_name][0], group, args.head_dim,
+                                                      DTYPES[dtype_name][1])
                                   for s, k in zip(sources, kernels)}})
             print(json.dumps(rows[-1]), flush=True)
     return 0
