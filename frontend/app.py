@@ -38,6 +38,7 @@ def create_app(config: EngineConfig, engine_client: EngineClient,
     metrics = FrontendMetrics(model_name, max_num_seqs=config.max_num_seqs,
                               max_model_len=limits.max_model_len,
                               max_num_batched_tokens=config.max_num_batched_tokens)
+    metrics.record_cache_config(config)
     engine_client.add_listener(metrics)
     state = ServerState(config=config, engine=engine_client, tokenizer=tokenizer,
                         metrics=metrics, limits=limits, model_name=model_name,

@@ -159,7 +159,9 @@ class Generation:
                     if counted:
                         self._record(choice, ended, now_s)
         if counted:
-            self._metrics.record_request_finished(self.num_prompt_tokens)
+            self._metrics.record_request_finished(self.num_prompt_tokens, len(self.choices),
+                                                  self.job.sampling_params.max_tokens,
+                                                  max(choice.num_tokens for choice in self.choices))
         if self._stream is not None:
             await self._stream.aclose()
 

@@ -1,4 +1,4 @@
-"""Request phase durations (queue, prefill, decode) from the scheduler's lifecycle events.
+"""Request phase durations (queue, prefill, decode, inference) from the scheduler's lifecycle events.
 
 Every difference is between two timestamps of the SCHEDULER's clock: the frontend's own clock
 never enters, so clock offsets between processes cannot skew these durations.
@@ -19,6 +19,7 @@ class PhaseDurations:
     queue_s: float | None  # first SCHEDULED - QUEUED
     prefill_s: float | None  # FIRST_TOKEN - first SCHEDULED
     decode_s: float | None  # FINISHED - FIRST_TOKEN
+    inference_s: float | None  # FINISHED - first SCHEDULED (prefill and decode, preemptions included)
 
 
 @dataclass
@@ -66,6 +67,7 @@ def _durations(times: dict[int, float], request_queued_s: float | None) -> Phase
         queue_s=_between(queued, scheduled),
         prefill_s=_between(scheduled, first_token),
         decode_s=_between(first_token, finished),
+        inference_s=_between(scheduled, finished),
     )
 
 

@@ -19,6 +19,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                generate_latest)
 
 from frontend.lifecycle import LifecycleTracker
+from proto.config import EngineConfig
 from proto.messages import FinishReason, StepOutputs
 
 PREFIX = "conveyor:"
@@ -36,6 +37,7 @@ STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
 # Why a request was refused before it ran: the limit (flag) or the server state that refused it.
 REJECTION_REASONS = ("max_num_waiting", "max_waiting_tokens", "max_request_body_bytes", "draining",
                      "engine_unavailable", "client_timeout", "tokenizer_busy")
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # request_params_n; n is at most 16
 OCCUPANCY_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # Scheduler running totals (SchedulerStats fields) -> our counter names.
 _SCHEDULER_TOTALS = {
@@ -143,10 +145,20 @@ class FrontendMetrics:
                                               REQUEST_BUCKETS_S)
         self.request_decode_time = histogram("request_decode_time_seconds",
                                              "First token to finished (scheduler clock).", REQUEST_BUCKETS_S)
+        self.request_inference_time = histogram("request_inference_time_seconds",
+                                                "First scheduled to finished (scheduler clock).",
+                                                REQUEST_BUCKETS_S)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                                token_buckets)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per choice.", token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Generated tokens of a request's longest choice.",
+            token_buckets)
+        self.request_params_n = histogram("request_params_n", "The n of each finished request.", N_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "The max_tokens of each finished request (as resolved).",
+                                                   token_buckets)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per step.",
                                           power_of_two_buckets(max_num_batched_tokens))
         self.step_duration = histogram("step_duration_seconds", "Scheduler step duration.", STEP_BUCKETS_S)
@@ -174,8 +186,26 @@ class FrontendMetrics:
         if decode_s is not None and num_tokens >= 2:
             self.request_time_per_output_token.observe(decode_s / (num_tokens - 1))
 
-    def record_request_finished(self, num_prompt_tokens: int) -> None:
+    def record_request_finished(self, num_prompt_tokens: int, n: int = 1, max_tokens: int = 0,
+                                max_num_generation_tokens: int = 0) -> None:
+        """One per request (all its choices): `max_tokens` as resolved (0: not known, not observed),
+        `max_num_generation_tokens` the longest choice's count."""
         self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_params_n.observe(n)
+        if max_tokens:
+            self.request_params_max_tokens.observe(max_tokens)
+        self.request_max_num_generation_tokens.observe(max_num_generation_tokens)
+
+    def record_cache_config(self, config: EngineConfig) -> None:
+        """vLLM's cache_config_info: a gauge of 1 whose labels are the KV cache's settings, so that
+        instances can be compared in Prometheus. Set once, at start-up."""
+        labels = {"block_size": str(config.block_size), "cache_dtype": config.kv_dtype,
+                  "enable_prefix_caching": str(config.enable_prefix_caching),
+                  "kv_cache_memory_bytes": str(config.kv_cache_memory_bytes),
+                  "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                  "num_kv_blocks": str(config.num_kv_blocks or "auto")}
+        Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (labels); always 1.",
+              ("model_name", *labels), registry=self.registry).labels(self._model_name, *labels.values()).set(1)
 
     def record_http(self, handler: str, method: str, status: int) -> None:
         """`handler`: the route's path template (or "other"), so the series stay few."""
@@ -211,7 +241,8 @@ class FrontendMetrics:
         for phases in self._lifecycle.observe(outputs):
             for histogram, seconds in ((self.request_queue_time, phases.queue_s),
                                        (self.request_prefill_time, phases.prefill_s),
-                                       (self.request_decode_time, phases.decode_s)):
+                                       (self.request_decode_time, phases.decode_s),
+                                       (self.request_inference_time, phases.inference_s)):
                 if seconds is not None:
                     histogram.observe(seconds)
 

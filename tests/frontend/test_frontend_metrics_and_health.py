@@ -23,7 +23,8 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "request_time_per_output_token_seconds", "request_queue_time_seconds",
               "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
               "request_generation_tokens", "iteration_tokens_total", "step_duration_seconds",
-              "batch_occupancy")
+              "batch_occupancy", "request_inference_time_seconds", "request_max_num_generation_tokens",
+              "request_params_n", "request_params_max_tokens")
 
 
 def heartbeat(num_running: int = 0, num_waiting: int = 0, kv_cache_usage: float = 0.0,
@@ -84,6 +85,9 @@ async def test_known_mix_of_requests_sets_every_counter_and_histogram_count_exac
     num_reply, num_stopped = len(reply), tokens_until(tokenizer, reply, " capital")
     prompts = [len(added.prompt_token_ids) for added in engine.added]
     generated = [num_reply, num_stopped, 3, min(num_reply, 16)]
+    # The EOS and stop-string replies finish at their last token (the fake engine sent the
+    # latter's whole reply at once), length at its 3rd, the aborted one a step after its last.
+    decode_s = DECODE_STEP_S * (2 * (num_reply - 1) + 2 + generated[3])
     assert values == pytest.approx({
         **values,
         "conveyor:num_requests_running": 2, "conveyor:num_requests_waiting": 3,
@@ -112,10 +116,13 @@ async def test_known_mix_of_requests_sets_every_counter_and_histogram_count_exac
         "conveyor:request_prefill_time_seconds_count": 4,
         "conveyor:request_prefill_time_seconds_sum": 4 * PREFILL_S,
         "conveyor:request_decode_time_seconds_count": 4,
-        # The EOS and stop-string replies finish at their last token (the fake engine sent the
-        # latter's whole reply at once), length at its 3rd, the aborted one a step after its last.
-        "conveyor:request_decode_time_seconds_sum":
-            DECODE_STEP_S * (2 * (num_reply - 1) + 2 + generated[3]),
+        "conveyor:request_decode_time_seconds_sum": decode_s,
+        "conveyor:request_inference_time_seconds_count": 4,
+        "conveyor:request_inference_time_seconds_sum": 4 * PREFILL_S + decode_s,
+        "conveyor:request_params_n_count": 4,
+        "conveyor:request_params_n_sum": 4,
+        "conveyor:request_params_max_tokens_sum": 50 + 50 + 3 + 16,  # completions' default is 16
+        "conveyor:request_max_num_generation_tokens_sum": sum(generated),
         "conveyor:iteration_tokens_total_count": engine.num_steps,
         "conveyor:iteration_tokens_total_sum": engine.num_scheduled_tokens_total,
         "conveyor:step_duration_seconds_count": engine.num_steps,
@@ -139,6 +146,21 @@ async def test_n_choices_count_one_prompt_and_every_choice(client, engine):
     assert values["conveyor:time_to_first_token_seconds_count"] == 2
     assert values["conveyor:inter_token_latency_seconds_count"] == 7 - 2
     assert values["conveyor:request_decode_time_seconds_count"] == 2
+    assert values["conveyor:request_params_n_sum"] == 2
+    assert values["conveyor:request_max_num_generation_tokens_sum"] == 5  # the longer choice's
+    assert values["conveyor:request_max_num_generation_tokens_count"] == 1
+
+
+async def test_cache_config_info_labels_the_kv_cache_settings(client, config):
+    families = {f.name: f for f in text_string_to_metric_families((await client.get("/metrics")).text)}
+    (sample,) = families["conveyor:cache_config_info"].samples
+    assert sample.value == 1
+    assert sample.labels == {"model_name": "tiny", "block_size": str(config.block_size),
+                             "cache_dtype": config.kv_dtype,
+                             "enable_prefix_caching": str(config.enable_prefix_caching),
+                             "kv_cache_memory_bytes": str(config.kv_cache_memory_bytes),
+                             "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                             "num_kv_blocks": str(config.num_kv_blocks or "auto")}
 
 
 @pytest.mark.parametrize("code, status", [(ERROR_QUEUE_FULL, 429), (ERROR_INVALID_REQUEST, 400)])

@@ -87,7 +87,8 @@ def test_known_mix_of_requests_sets_every_counter_and_histogram_count(stack: Sta
         == (3, prompts)
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_generation_tokens", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_params_n", "request_max_num_generation_tokens"):
         assert got[f"conveyor:{name}_count"] == 3, name
     generated = got["conveyor:generation_tokens_total"]
     assert generated == got["conveyor:request_generation_tokens_sum"]
