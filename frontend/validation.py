@@ -6,23 +6,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.errors import APIError, bad_request, from_validation_error
+from frontend.errors import APIError, bad_request
 from frontend.grammar_check import GrammarCheck
 from frontend.prompt_text import chat_prompt_ids, check_text_fits
+from frontend.sampling_fields import or_default, sampling_params, stop_strings
 from frontend.protocol import MAX_BATCH_SEQUENCES, ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolChoice, parse_tool_choice, parse_tools, tool_choice_grammar
 from frontend.unsupported_fields import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_FIELDS, refuse_unsupported
 from proto.config import prompt_fits
-from proto.errors import ValidationError
 from proto.grammar import GrammarSpec
-from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams, check_vocab_bounds
-
-# OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 512
-
+from proto.sampling import DEFAULTS, MAX_LOGPROBS, MAX_N, SamplingParams
 
 @dataclass(frozen=True)
 class ModelLimits:
@@ -74,7 +69,7 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     if echo_only and request.min_tokens:
         raise bad_request(f"min_tokens must be 0 when max_tokens is 0 (echo only scores the prompt), got "
                           f"{request.min_tokens}", "min_tokens")
-    prompts = _prompts(request.prompt, _or(request.n, DEFAULTS.n))
+    prompts = _prompts(request.prompt, or_default(request.n, DEFAULTS.n))
     jobs = []
     for index, prompt in enumerate(prompts):
         try:  # what is wrong with one prompt of a batch says which
@@ -115,7 +110,7 @@ def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[in
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
-    max_tokens = 1 if echo_only else _or(request.max_tokens, default_max_tokens)
+    max_tokens = 1 if echo_only else or_default(request.max_tokens, default_max_tokens)
     job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar)
     return dataclasses.replace(job, echo_only=True) if echo_only else job
 
@@ -144,14 +139,14 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     truncating = request.truncate_prompt_tokens is not None
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, None if truncating else limits.max_model_len,
                                  tools)
-    max_tokens = _or(request.max_completion_tokens, request.max_tokens)
+    max_tokens = or_default(request.max_completion_tokens, request.max_tokens)
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
     prompt_ids = _truncated(prompt_ids, request.truncate_prompt_tokens, limits, max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages", max_tokens_param)
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
-    return _job(request, prompt_ids, _or(max_tokens, room), limits, {"logprobs": logprobs},
+    return _job(request, prompt_ids, or_default(max_tokens, room), limits, {"logprobs": logprobs},
                 grammar=grammar, tool_choice=tool_choice)
 
 
@@ -196,7 +191,7 @@ def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> Gra
     constraint = request_grammar(request)  # a malformed one gets its own 400 here
     if constraint is not None and checker is not None:
         checker.check(*constraint)
-    n = _or(request.n, DEFAULTS.n)
+    n = or_default(request.n, DEFAULTS.n)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     if request.best_of not in (None, 1, n):
@@ -258,8 +253,8 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
     include_usage = bool(request.stream and stream_options and stream_options.include_usage)
     return GenerationJob(
         prompt_token_ids=prompt_ids,
-        sampling_params=_sampling_params(request, max_tokens, limits.vocab_size, logprob_fields),
-        stop=_stop_strings(request.stop),
+        sampling_params=sampling_params(request, max_tokens, limits.vocab_size, logprob_fields),
+        stop=stop_strings(request.stop),
         stream=bool(request.stream),
         include_usage=include_usage,
         continuous_usage=include_usage and stream_options.continuous_usage_stats,  # vLLM asks for both
@@ -271,58 +266,6 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
     )
 
 
-# SamplingParams fields that the HTTP request model carries under the same name and meaning, as they
-# come (None: left out); the others are built below. A new sampling parameter needs no line here.
-PASSED_THROUGH = tuple(f.name for f in dataclasses.fields(SamplingParams)
-                       if f.name in SamplingFields.model_fields and f.name not in (
-                           "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias",
-                           "logprobs", "prompt_logprobs"))
-
-
-def _sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
-                     logprob_fields: dict[str, int]) -> SamplingParams:
-    """Fields the client left out (None) take SamplingParams' defaults. The vocabulary bounds
-    come first, so a huge top_k is told the vocabulary size rather than int32's."""
-    given = {name: getattr(request, name) for name in PASSED_THROUGH}
-    stop_token_ids = tuple(request.stop_token_ids or ())
-    logit_bias = _logit_bias(request.logit_bias, vocab_size)
-    try:
-        check_vocab_bounds(vocab_size, _or(request.top_k, DEFAULTS.top_k), stop_token_ids,
-                           [token_id for token_id, _ in logit_bias])
-        return SamplingParams(
-            max_tokens=max_tokens, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
-            stop_token_ids=stop_token_ids, logit_bias=logit_bias, **logprob_fields,
-            **{name: value for name, value in given.items() if value is not None})
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc
-
-
-def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """JSON keys are strings: each must spell a token id in ASCII digits ("²" and "-1" do not)."""
-    entries = []
-    for key, bias in (logit_bias or {}).items():
-        if not (key.isascii() and key.isdigit()):
-            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
-        if len(key.lstrip("0")) > len(str(vocab_size)):  # also spares int() a 4300-digit string
-            raise bad_request(f"logit_bias token id {key[:40]} is out of range for a vocabulary "
-                              f"of {vocab_size}", "logit_bias")
-        entries.append((int(key), bias))
-    return tuple(entries)
-
-
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
-    for text in stops:
-        if not text:
-            raise bad_request("stop strings must not be empty", "stop")
-        if len(text) > MAX_STOP_STRING_CHARS:
-            raise bad_request(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
-                              f"got {len(text)}", "stop")
-    return stops
-
-
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
@@ -331,7 +274,3 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value

@@ -1,0 +1,71 @@
+"""A request's sampling fields -> SamplingParams: what passes through, logit_bias keys, stop strings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from frontend.errors import bad_request, from_validation_error
+from frontend.protocol import SamplingFields
+from proto.errors import ValidationError
+from proto.sampling import DEFAULTS, SamplingParams, check_vocab_bounds
+
+# OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+
+# SamplingParams fields that the HTTP request model carries under the same name and meaning, as they
+# come (None: left out); the others are built below. A new sampling parameter needs no line here.
+PASSED_THROUGH = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                       if f.name in SamplingFields.model_fields and f.name not in (
+                           "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias",
+                           "logprobs", "prompt_logprobs"))
+
+
+def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
+                     logprob_fields: dict[str, int]) -> SamplingParams:
+    """Fields the client left out (None) take SamplingParams' defaults. The vocabulary bounds
+    come first, so a huge top_k is told the vocabulary size rather than int32's."""
+    given = {name: getattr(request, name) for name in PASSED_THROUGH}
+    stop_token_ids = tuple(request.stop_token_ids or ())
+    logit_bias = logit_bias_entries(request.logit_bias, vocab_size)
+    try:
+        check_vocab_bounds(vocab_size, or_default(request.top_k, DEFAULTS.top_k), stop_token_ids,
+                           [token_id for token_id, _ in logit_bias])
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
+            stop_token_ids=stop_token_ids, logit_bias=logit_bias, **logprob_fields,
+            **{name: value for name, value in given.items() if value is not None})
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def logit_bias_entries(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """JSON keys are strings: each must spell a token id in ASCII digits ("²" and "-1" do not)."""
+    entries = []
+    for key, bias in (logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
+        if len(key.lstrip("0")) > len(str(vocab_size)):  # also spares int() a 4300-digit string
+            raise bad_request(f"logit_bias token id {key[:40]} is out of range for a vocabulary "
+                              f"of {vocab_size}", "logit_bias")
+        entries.append((int(key), bias))
+    return tuple(entries)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
+    for text in stops:
+        if not text:
+            raise bad_request("stop strings must not be empty", "stop")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                              f"got {len(text)}", "stop")
+    return stops
+
+
+def or_default(value: Any, default: Any) -> Any:
+    """`value`, or `default` where the client left it out (None)."""
+    return default if value is None else value
