@@ -14,6 +14,7 @@ from proto.sampling import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_STOP_TOKEN_IDS,
     RANGES,
 )
@@ -122,8 +123,10 @@ class SamplingFields(_Strict):
     truncate_prompt_tokens: Count | None = _documented(minimum=-1)
     # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
     # it (unsupported_fields.UNSUPPORTED_FIELDS) rather than output that silently ignores it.
+    # Every sampled token is one of these (a constant mask, as a grammar's; not with one).
+    allowed_token_ids: list[int] | None = _documented(minItems=1, maxItems=MAX_ALLOWED_TOKEN_IDS,
+                                                      items={"type": "integer", "minimum": 0})
     bad_words: Any = None
-    allowed_token_ids: Any = None
     use_beam_search: bool | None = None
     prompt_logprobs: Any = None
     return_tokens_as_token_ids: bool | None = None

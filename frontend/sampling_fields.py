@@ -8,7 +8,7 @@ from typing import Any
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import SamplingFields
 from proto.errors import ValidationError
-from proto.sampling import DEFAULTS, SamplingParams, check_vocab_bounds
+from proto.sampling import DEFAULTS, MAX_ALLOWED_TOKEN_IDS, SamplingParams, check_vocab_bounds
 
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
@@ -19,7 +19,7 @@ MAX_STOP_STRING_CHARS = 512
 PASSED_THROUGH = tuple(f.name for f in dataclasses.fields(SamplingParams)
                        if f.name in SamplingFields.model_fields and f.name not in (
                            "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias",
-                           "logprobs", "prompt_logprobs"))
+                           "allowed_token_ids", "logprobs", "prompt_logprobs"))
 
 
 def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
@@ -29,12 +29,20 @@ def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
     given = {name: getattr(request, name) for name in PASSED_THROUGH}
     stop_token_ids = tuple(request.stop_token_ids or ())
     logit_bias = logit_bias_entries(request.logit_bias, vocab_size)
+    if request.allowed_token_ids == []:
+        raise bad_request("allowed_token_ids must not be empty (leave it out to allow every token)",
+                          "allowed_token_ids")
+    allowed_token_ids = tuple(request.allowed_token_ids or ())
+    if len(allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:  # before the vocabulary check reads them all
+        raise bad_request(f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids are allowed, got "
+                          f"{len(allowed_token_ids)}", "allowed_token_ids")
     try:
         check_vocab_bounds(vocab_size, or_default(request.top_k, DEFAULTS.top_k), stop_token_ids,
-                           [token_id for token_id, _ in logit_bias])
+                           [token_id for token_id, _ in logit_bias], allowed_token_ids)
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
-            stop_token_ids=stop_token_ids, logit_bias=logit_bias, **logprob_fields,
+            stop_token_ids=stop_token_ids, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids,
+            **logprob_fields,
             **{name: value for name, value in given.items() if value is not None})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc

@@ -13,7 +13,6 @@ from frontend.protocol import SamplingFields
 # what to use instead, if anything. Any other value is a 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((None, []), "logit_bias can ban single tokens"),
-    "allowed_token_ids": ((None,), "structured_outputs.choice or a grammar can restrict the output"),
     "use_beam_search": ((None, False), ""),
     "prompt_logprobs": ((None,), "/v1/completions with echo and logprobs scores the prompt"),
     "return_tokens_as_token_ids": ((None, False), ""),

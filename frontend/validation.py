@@ -57,6 +57,7 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     `logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too. An
     output constraint is compile-checked by `checker` (skipped without one), once for all prompts."""
     grammar = _check_choices(request, checker)
+    _check_single_constraint(request, grammar)
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
@@ -136,6 +137,7 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
         if checker is not None:
             checker.check(forced, "tool_choice")
         grammar = forced
+    _check_single_constraint(request, grammar)
     truncating = request.truncate_prompt_tokens is not None
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, None if truncating else limits.max_model_len,
                                  tools)
@@ -198,6 +200,13 @@ def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> Gra
         raise bad_request(f"best_of must equal n ({n}): this server returns every choice it "
                           f"generates, got best_of {request.best_of}", "best_of")
     return None if constraint is None else constraint[0]
+
+
+def _check_single_constraint(request: SamplingFields, grammar: GrammarSpec | None) -> None:
+    """allowed_token_ids is a mask of its own: the scheduler runs one constraint per sequence."""
+    if grammar is not None and request.allowed_token_ids:
+        raise bad_request("allowed_token_ids cannot be combined with structured output (response_format, "
+                          "structured_outputs, guided_* or a forced tool_choice)", "allowed_token_ids")
 
 
 def _check_num_logprobs(value: int | None, param: str) -> int:

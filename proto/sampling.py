@@ -9,6 +9,7 @@ from proto.errors import ValidationError
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary conveyor serves (and each id is checked against it)
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
@@ -39,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # vLLM's allowed_token_ids: every sampled token is one of these; () = any token. The scheduler
+    # turns them into a constant mask row (scheduler_proc/token_set.py), as it does a grammar.
+    allowed_token_ids: tuple[int, ...] = ()
     n: int = 1  # choices; the scheduler runs them as sibling sequences sharing the prompt's blocks
     logprobs: int = -1  # -1 = none; k >= 0 = the sampled token's logprob plus the top k
     prompt_logprobs: int = -1  # -1 = none; k >= 0 = each prompt token's logprob plus the top k
@@ -100,15 +104,19 @@ class SamplingParams:
             _check_token_id("logit_bias", token_id, None)
             _check_type("logit_bias", bias, float)
             _check_range("logit_bias", bias, *RANGES["logit_bias"])
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValidationError(f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids are allowed, got "
+                                  f"{len(self.allowed_token_ids)}", "allowed_token_ids")
+        _check_token_ids("allowed_token_ids", self.allowed_token_ids, None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValidationError when top_k or a token id is beyond a vocabulary of vocab_size."""
         check_vocab_bounds(vocab_size, self.top_k, self.stop_token_ids,
-                           [token_id for token_id, _ in self.logit_bias])
+                           [token_id for token_id, _ in self.logit_bias], self.allowed_token_ids)
 
 
 def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[object],
-                       logit_bias_token_ids: Iterable[object]) -> None:
+                       logit_bias_token_ids: Iterable[object], allowed_token_ids: Iterable[object] = ()) -> None:
     """The checks that need the model's vocabulary (a decoder does not know it): top_k at most
     the vocabulary, every token id inside it."""
     check_top_k(top_k, vocab_size)
@@ -116,6 +124,7 @@ def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[
         _check_token_id("stop_token_ids", token_id, vocab_size)
     for token_id in logit_bias_token_ids:
         _check_token_id("logit_bias", token_id, vocab_size)
+    _check_token_ids("allowed_token_ids", allowed_token_ids, vocab_size)
 
 
 def _check_type(name: str, value: object, kind: type) -> None:
@@ -142,6 +151,16 @@ def check_top_k(top_k: object, vocab_size: int | None) -> None:
     if not -1 <= top_k <= limit:
         raise ValidationError(f"top_k must be -1 or 0 (disabled) or in [1, {limit}] ({what}), "
                               f"got {top_k}", "top_k")
+
+
+def _check_token_ids(name: str, token_ids: Iterable[object], vocab_size: int | None) -> None:
+    """_check_token_id of each, at C speed when all pass (allowed_token_ids may list a whole vocabulary)."""
+    token_ids = tuple(token_ids)
+    if all(type(token_id) is int for token_id in token_ids) and (
+            not token_ids or (min(token_ids) >= 0 and (vocab_size is None or max(token_ids) < vocab_size))):
+        return
+    for token_id in token_ids:
+        _check_token_id(name, token_id, vocab_size)
 
 
 def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None:

@@ -21,6 +21,7 @@ from scheduler_proc.request import Request
 
 if TYPE_CHECKING:
     from scheduler_proc.grammar import SequenceGrammar
+    from scheduler_proc.token_set import TokenSet
 
 
 def choice_seed(seed: int, choice_index: int) -> int:
@@ -34,12 +35,12 @@ def choice_seed(seed: int, choice_index: int) -> int:
 
 
 def make_choices(message: AddRequest, seed: int, config: EngineConfig,
-                 grammars: Sequence[SequenceGrammar] = ()) -> list[Request]:
+                 grammars: Sequence[SequenceGrammar | TokenSet] = ()) -> list[Request]:
     """The leader (WAITING) and its siblings (HELD, listed in the leader's held_siblings): choice 0
     and the others, or for a resubmission (AddRequest.resume) only the unfinished choices, the
     lowest one leading, each restored with the output tokens the frontend already has. With
     `grammars` (a constrained request), choice i owns matcher grammars[i] (Constraints.start
-    replayed it over a resubmission's restored tokens)."""
+    replayed it over a resubmission's restored tokens) or TokenSet grammars[i]."""
     params, resume = message.sampling_params, message.resume
 
     def choice(index: int, leader: Request | None) -> Request:

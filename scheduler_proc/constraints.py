@@ -18,6 +18,7 @@ import numpy as np
 from proto.config import EngineConfig
 from proto.grammar import GrammarSpec
 from proto.messages import GrammarMasks, ResumedOutputs
+from scheduler_proc.token_set import TokenSet, allowed_row, bitmask_words
 
 if TYPE_CHECKING:
     from scheduler_proc.grammar import GrammarTable, SequenceGrammar
@@ -59,6 +60,13 @@ class Constraints:
                 return [], f"choice {index}'s resumed output tokens do not match its grammar: {exc}"
         return grammars, ""
 
+    def token_sets(self, allowed_token_ids: Sequence[int], num_choices: int) -> tuple[list[TokenSet], str]:
+        """(one TokenSet per choice, sharing one row, "") or ([], why the request must end in error)."""
+        if self._config.vocab_size <= 0:
+            return [], "allowed_token_ids needs the model's vocabulary size, which this scheduler was not given"
+        row = allowed_row(allowed_token_ids, self._config.vocab_size)
+        return [TokenSet(row) for _ in range(num_choices)], ""
+
     def masks(self, requests: Sequence[Request], rows: Sequence[int]) -> GrammarMasks:
         """The bitmask rows of the constrained sampling members `rows` (indices into `requests`).
 
@@ -66,18 +74,26 @@ class Constraints:
         and the stop rule ends it with "error" when the step's token comes back); its row allows every token
         meanwhile, so the step itself goes ahead for the whole batch.
         """
-        from scheduler_proc.grammar import GrammarError, bitmask_words
-
-        assert self._table is not None, "a constrained sequence exists only once the table is built"
-        bitmask = np.empty((len(rows), bitmask_words(self._table.vocab_size)), dtype=np.int32)  # int32 [k, words]
+        vocab_size = self._table.vocab_size if self._table is not None else self._config.vocab_size
+        bitmask = np.empty((len(rows), bitmask_words(vocab_size)), dtype=np.int32)  # int32 [k, words]
+        failures = self._failures()
         for index, row in enumerate(rows):
             request = requests[row]
             try:
                 request.grammar.fill_row(bitmask[index])
-            except GrammarError as exc:
+            except failures as exc:
                 request.grammar.fail(str(exc))
                 bitmask[index] = -1
         return GrammarMasks(np.asarray(rows, dtype=np.int32), bitmask.shape[1], bitmask.reshape(-1))
+
+    def _failures(self) -> tuple[type[Exception], ...]:
+        """What computing a row may raise: the grammar engine's error once it is loaded (a
+        TokenSet's row cannot fail, and needs no engine)."""
+        if self._table is None:
+            return ()
+        from scheduler_proc.grammar import GrammarError
+
+        return (GrammarError,)
 
     def _build(self) -> GrammarTable:
         from scheduler_proc.grammar import GrammarError, GrammarTable

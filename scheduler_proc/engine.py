@@ -112,6 +112,8 @@ class SchedulerEngine:
         grammars: list = []
         if not reason and message.grammar is not None:  # the frontend compiled it first: this is the fallback
             grammars, reason = self.constraints.start(message.grammar, params.n, message.resume)
+        elif not reason and params.allowed_token_ids:
+            grammars, reason = self.constraints.token_sets(params.allowed_token_ids, params.n)
         if reason:
             for choice_index in range(params.n):
                 self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, FinishReason.ERROR, reason, now,

@@ -19,6 +19,7 @@ import llguidance
 import numpy as np
 
 from proto.grammar import GrammarSpec, engine_grammar
+from scheduler_proc.token_set import bitmask_words
 
 MAX_CACHED_GRAMMARS = 256
 
@@ -33,10 +34,6 @@ def _reason(engine_error: str) -> str:
         if line.startswith("Error: "):
             return line.removeprefix("Error: ")
     return engine_error.split("\n<state>")[0][:500]
-
-
-def bitmask_words(vocab_size: int) -> int:
-    return -(-vocab_size // 32)
 
 
 class SequenceGrammar:

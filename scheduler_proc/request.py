@@ -19,6 +19,7 @@ from scheduler_proc.stop import logit_biases, stop_token_set
 
 if TYPE_CHECKING:
     from scheduler_proc.grammar import SequenceGrammar
+    from scheduler_proc.token_set import TokenSet
 
 _NO_BLOCKS = np.empty(0, dtype=np.int32)  # int32 [0]: the table of a sequence that holds no block
 _NO_BLOCKS.flags.writeable = False
@@ -64,7 +65,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: np.ndarray, sampling_params: SamplingParams, *,
                  seed: int, eos_token_ids: tuple[int, ...] = (), max_model_len: int = 0,
                  choice_index: int = 0, leader: Request | None = None,
-                 grammar: SequenceGrammar | None = None) -> None:
+                 grammar: SequenceGrammar | TokenSet | None = None) -> None:
         num_prompt_tokens = len(prompt_token_ids)
         self.request_id = request_id
         self.choice_index = choice_index
@@ -102,7 +103,8 @@ class Request:
         self.prompt_logprobs_pending = choice_index == 0 and sampling_params.prompt_logprobs >= 0
         self.next_prompt_logprob_position = 1  # prompt positions below this were forwarded
         # Structured output: this sequence's own matcher, advanced by every token it accepts (so
-        # preemption, recompute and worker recovery leave it as it is); its `error`, once set,
+        # preemption, recompute and worker recovery leave it as it is), or its allowed_token_ids
+        # (a TokenSet, the same interface with a constant mask); its `error`, once set,
         # ends the sequence with "error" (stop.stop_reason). Keep this class at 30 attributes or
         # fewer: CPython 3.11 stops sharing instance-dict keys beyond 30, and every attribute read
         # on the hot path gets slower (measured: +20% on a 256-sequence step at 31).

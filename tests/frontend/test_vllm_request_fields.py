@@ -11,7 +11,7 @@ IDS = list(range(10, 40))  # a 30-token prompt
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", [
-    ("bad_words", [" Paris"]), ("allowed_token_ids", [28, 29]), ("use_beam_search", True),
+    ("bad_words", [" Paris"]), ("use_beam_search", True),
     ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False),
     ("logits_processors", ["x"])])
 async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, endpoint, field, value):
@@ -54,6 +54,39 @@ async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(
         "prompt": "x", "bad_words": [], "use_beam_search": False, "prompt_logprobs": None,
         "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "logits_processors": []})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+async def test_allowed_token_ids_reach_the_engine_as_a_tuple(client, engine, endpoint):
+    prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    response = await client.post(endpoint, json={**prompt, "allowed_token_ids": [29, 28, 29]})
+    assert response.status_code == 200, response.text
+    assert engine.added[0].sampling_params.allowed_token_ids == (29, 28, 29)
+
+
+@pytest.mark.parametrize("value, message", [
+    ([], "allowed_token_ids must not be empty"),
+    ([5, -1], "allowed_token_ids token ids must be non-negative integers, got -1"),
+    ([5, 10**6], "allowed_token_ids token id 1000000 is out of range for a vocabulary of"),
+    (list(range(2**18 + 1)), "at most 262144 allowed_token_ids are allowed, got 262145")])
+async def test_bad_allowed_token_ids_are_a_400_saying_which_limit(client, engine, value, message):
+    response = await client.post("/v1/completions", json={"prompt": "x", "allowed_token_ids": value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "allowed_token_ids" and error["message"].startswith(message), error
+    assert not engine.added
+
+
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a", "b"]}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"}])
+async def test_allowed_token_ids_with_structured_output_is_a_400(client, engine, constraint):
+    response = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [28], **constraint})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "allowed_token_ids" and "cannot be combined with structured output" in error["message"], error
+    assert not engine.added
 
 
 async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, engine, config, tokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,9 @@ SAMPLED = [
 GREEDY_PROMPTS = ["The quick brown fox", "What is the capital of France?"]
 STOP_PROMPT = "Emoji and accents"
 FORCED_PROMPT, FORCED_WORD = "Paris is", " fox"  # logit_bias +100 on the word's one token
-NUM_REQUESTS = len(SAMPLED) + len(GREEDY_PROMPTS) + 2
+# allowed_token_ids: the one-token words it may sample from, with temperature and a seed
+ALLOWED_PROMPT, ALLOWED_WORDS = "Pick one:", (" fox", " dog", " the")
+NUM_REQUESTS = len(SAMPLED) + len(GREEDY_PROMPTS) + 3
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +52,22 @@ def hf_texts(tiny_model_dir: Path) -> dict[str, str]:
     return texts
 
 
-@pytest.fixture(scope="module")
-def forced_token_id(tiny_model_dir: Path) -> int:
+def one_token_id(tiny_model_dir: Path, word: str) -> int:
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(FORCED_WORD).input_ids
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(word).input_ids
     assert len(ids) == 1, ids
     return ids[0]
+
+
+@pytest.fixture(scope="module")
+def forced_token_id(tiny_model_dir: Path) -> int:
+    return one_token_id(tiny_model_dir, FORCED_WORD)
+
+
+@pytest.fixture(scope="module")
+def allowed_token_ids(tiny_model_dir: Path) -> list[int]:
+    return [one_token_id(tiny_model_dir, word) for word in ALLOWED_WORDS]
 
 
 def stop_string(text: str) -> str:
@@ -67,7 +79,7 @@ def stop_string(text: str) -> str:
     pytest.fail(f"no stop string in {text!r}")
 
 
-def mixed_bodies(hf_texts: dict[str, str], forced_token_id: int) -> list[dict]:
+def mixed_bodies(hf_texts: dict[str, str], forced_token_id: int, allowed_token_ids: list[int]) -> list[dict]:
     base = {"model": "tiny", "max_tokens": MAX_TOKENS, "ignore_eos": True}
     bodies = [{**base, "prompt": prompt, **params} for prompt, params in SAMPLED]
     bodies += [{**base, "prompt": prompt, "temperature": 0} for prompt in GREEDY_PROMPTS]
@@ -75,6 +87,8 @@ def mixed_bodies(hf_texts: dict[str, str], forced_token_id: int) -> list[dict]:
                    "stop": [stop_string(hf_texts[STOP_PROMPT])]})
     bodies.append({**base, "prompt": FORCED_PROMPT, "temperature": 0,
                    "logit_bias": {str(forced_token_id): 100}})
+    bodies.append({**base, "prompt": ALLOWED_PROMPT, "temperature": 1.0, "seed": 5,
+                   "allowed_token_ids": allowed_token_ids})
     return bodies
 
 
@@ -92,8 +106,8 @@ def full_steps(base_url: str) -> float:
 
 
 def test_mixed_sampling_params_in_one_batch_each_give_their_solo_text_and_greedy_gives_hf(
-        stack: Stack, hf_texts: dict[str, str], forced_token_id: int) -> None:
-    bodies = mixed_bodies(hf_texts, forced_token_id)
+        stack: Stack, hf_texts: dict[str, str], forced_token_id: int, allowed_token_ids: list[int]) -> None:
+    bodies = mixed_bodies(hf_texts, forced_token_id, allowed_token_ids)
     assert len(bodies) == NUM_REQUESTS
     solo = []
     for body in bodies:
@@ -106,9 +120,11 @@ def test_mixed_sampling_params_in_one_batch_each_give_their_solo_text_and_greedy
     for body, alone, batched in zip(bodies, solo, together):
         assert (batched["text"], batched["finish_reason"]) == (alone["text"], alone["finish_reason"]), body
 
-    *_, greedy_a, greedy_b, stopped, forced = together
+    *_, greedy_a, greedy_b, stopped, forced, allowed = together
     assert [greedy_a["text"], greedy_b["text"]] == [hf_texts[p] for p in GREEDY_PROMPTS]
-    stop = bodies[-2]["stop"][0]
+    stop = bodies[-3]["stop"][0]
     assert stopped["finish_reason"] == "stop"
     assert stopped["text"] == hf_texts[STOP_PROMPT][:hf_texts[STOP_PROMPT].index(stop)]
     assert forced["text"] == FORCED_WORD * MAX_TOKENS
+    words = re.findall("|".join(ALLOWED_WORDS), allowed["text"])
+    assert "".join(words) == allowed["text"] and len(words) == MAX_TOKENS and len(set(words)) > 1

@@ -1,0 +1,108 @@
+"""allowed_token_ids: a constant mask row at every sampling step, under preemption, n and alongside grammars."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+from test_structured_output import SPEC, VOCAB, add, make_harness
+
+from proto.errors import ValidationError
+from proto.messages import AddRequest
+from proto.sampling import SamplingParams
+from scheduler_fakes import Harness
+from scheduler_proc.token_set import TokenSet, allowed_row
+
+ALLOWED = (7, 31, 32, 33, 64, 511, VOCAB - 1)
+
+
+def test_an_allowed_row_sets_exactly_the_listed_bits_in_the_workers_layout() -> None:
+    row = allowed_row([*ALLOWED, 7], VOCAB)  # a repeated id changes nothing
+    assert row.shape == (-(-VOCAB // 32),) and row.dtype == np.int32 and not row.flags.writeable
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
+    assert np.flatnonzero(bits).tolist() == sorted(ALLOWED)
+    token_set = TokenSet(row)
+    assert [t for t in range(VOCAB + 40) if token_set.allows(t)] == sorted(ALLOWED)
+
+
+def test_a_token_outside_the_set_is_an_error_naming_it_and_sticks() -> None:
+    token_set = TokenSet(allowed_row(ALLOWED, VOCAB))
+    token_set.accept(31)
+    assert token_set.error == ""
+    token_set.accept(30)
+    token_set.accept(31)
+    assert token_set.error == "token 30 was sampled outside allowed_token_ids" and not token_set.is_finished
+
+
+def test_every_sampled_token_is_allowed_and_only_sampling_rows_carry_the_mask(
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend, max_num_batched_tokens=8)  # a prompt over several chunks
+    add(harness, "r", 20, None, allowed_token_ids=ALLOWED, max_tokens=40, ignore_eos=True)
+    add(harness, "free", 6, None, max_tokens=30)
+    plans = harness.run()
+    assert harness.log.finish_reasons == {"r": "length", "free": "length"}
+    assert set(harness.log.tokens["r"]) <= set(ALLOWED) and len(set(harness.log.tokens["r"])) > 1
+    assert not set(harness.log.tokens["free"]) <= set(ALLOWED)
+    expected = allowed_row(ALLOWED, VOCAB)
+    for plan in plans:
+        members = plan.request_ids
+        rows = plan.grammar.rows.tolist()
+        samples_r = "r" in members and bool(plan.sample_mask[members.index("r")])
+        assert rows == ([members.index("r")] if samples_r else []), (members, rows)
+        if rows:
+            assert (plan.grammar.matrix.reshape(len(rows), -1)[0] == expected).all()
+    assert not harness.engine.constraints.is_built  # no grammar engine for a token set
+
+
+def test_siblings_share_the_set_and_preemption_keeps_their_output(
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    outputs, preemptions = {}, {}
+    for num_blocks in (64, 20):  # roomy, then too few blocks for all three: some are preempted and recomputed
+        harness = make_harness(tokenizer_dir, backend, num_blocks=num_blocks)
+        add(harness, "r", 10, None, n=3, temperature=1.0, seed=3, allowed_token_ids=ALLOWED,
+            max_tokens=30, ignore_eos=True)
+        harness.run()
+        outputs[num_blocks] = dict(harness.log.tokens)
+        preemptions[num_blocks] = harness.engine.queues.num_preemptions_total
+        assert set(harness.log.finish_reasons.values()) == {"length"}, harness.log.error_messages
+        assert all(set(tokens) <= set(ALLOWED) for tokens in harness.log.tokens.values())
+    assert preemptions[64] == 0 and preemptions[20] > 0
+    assert outputs[20] == outputs[64]
+    assert len({tuple(tokens) for tokens in outputs[64].values()}) == 3
+
+
+def test_allowed_token_ids_with_a_grammar_end_in_an_error_saying_so(
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    harness = make_harness(tokenizer_dir, backend)
+    add(harness, "both", 5, SPEC, allowed_token_ids=ALLOWED)
+    add(harness, "u", 5, None, max_tokens=3)
+    harness.run()
+    assert harness.log.finish_reasons == {"both": "error", "u": "length"}
+    assert "cannot be combined with structured output" in harness.log.error_messages["both"]
+
+
+def test_without_the_vocabulary_size_allowed_token_ids_fail_and_others_run() -> None:
+    harness = Harness(vocab_size=0)  # a scheduler told no vocabulary
+    harness.engine.add(AddRequest("a", np.arange(5, dtype=np.int32) + 1, SamplingParams(allowed_token_ids=(3,)),
+                                  time.time()))
+    add(harness, "u", 5, None, max_tokens=3)
+    harness.run()
+    assert harness.log.finish_reasons == {"a": "error", "u": "length"}
+    assert "vocabulary size" in harness.log.error_messages["a"]
+
+
+@pytest.mark.parametrize("ids, message", [((5, -1), "non-negative integers, got -1"), ((True,), "got True"),
+                                          ((0,) * (2**18 + 1), "at most 262144 allowed_token_ids")])
+def test_sampling_params_check_allowed_token_ids(ids: tuple, message: str) -> None:
+    with pytest.raises(ValidationError, match="allowed_token_ids") as error:
+        SamplingParams(allowed_token_ids=ids)
+    assert message in str(error.value)
+
+
+def test_the_vocabulary_bounds_allowed_token_ids() -> None:
+    SamplingParams(allowed_token_ids=(0, VOCAB - 1)).check_vocab(VOCAB)
+    with pytest.raises(ValidationError, match=f"allowed_token_ids token id {VOCAB} is out of range"):
+        SamplingParams(allowed_token_ids=(0, VOCAB)).check_vocab(VOCAB)
