@@ -15,6 +15,7 @@ from proto.sampling import (
     MAX_N,
     MAX_REPETITION_PENALTY,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_STOP_TOKEN_IDS,
     RANGES,
 )
@@ -126,7 +127,8 @@ class SamplingFields(_Strict):
     # Every sampled token is one of these (a constant mask, as a grammar's; not with one).
     allowed_token_ids: list[int] | None = _documented(minItems=1, maxItems=MAX_ALLOWED_TOKEN_IDS,
                                                       items={"type": "integer", "minimum": 0})
-    bad_words: Any = None
+    # Words no output may end with (tokenized as vLLM does); masked like a grammar's tokens.
+    bad_words: list[str] | None = _documented(maxItems=MAX_BAD_WORDS // 2)
     use_beam_search: bool | None = None
     prompt_logprobs: Any = None
     return_tokens_as_token_ids: bool | None = None

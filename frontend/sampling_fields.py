@@ -7,8 +7,9 @@ from typing import Any
 
 from frontend.errors import bad_request, from_validation_error
 from frontend.protocol import SamplingFields
+from frontend.tokenizer import Tokenizer
 from proto.errors import ValidationError
-from proto.sampling import DEFAULTS, MAX_ALLOWED_TOKEN_IDS, SamplingParams, check_vocab_bounds
+from proto.sampling import DEFAULTS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, SamplingParams, check_vocab_bounds
 
 # OpenAI allows 4 stop strings; vLLM has no limit. 16 keeps the per-token partial-match scan cheap.
 MAX_STOP_STRINGS = 16
@@ -19,11 +20,12 @@ MAX_STOP_STRING_CHARS = 512
 PASSED_THROUGH = tuple(f.name for f in dataclasses.fields(SamplingParams)
                        if f.name in SamplingFields.model_fields and f.name not in (
                            "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias",
-                           "allowed_token_ids", "logprobs", "prompt_logprobs"))
+                           "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs"))
 
 
 def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
-                     logprob_fields: dict[str, int]) -> SamplingParams:
+                     logprob_fields: dict[str, int],
+                     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """Fields the client left out (None) take SamplingParams' defaults. The vocabulary bounds
     come first, so a huge top_k is told the vocabulary size rather than int32's."""
     given = {name: getattr(request, name) for name in PASSED_THROUGH}
@@ -42,10 +44,28 @@ def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=stop_token_ids, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids,
-            **logprob_fields,
+            bad_words_token_ids=bad_words_token_ids, **logprob_fields,
             **{name: value for name, value in given.items() if value is not None})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
+
+
+def bad_words_token_ids(words: list[str] | None, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word's tokens as written (leading space stripped), and
+    also with one leading space where that gives as many tokens, starting with another one (the
+    word in mid-text). A 400 for an empty word."""
+    if words and len(words) > MAX_BAD_WORDS // 2:  # each may give two sequences
+        raise bad_request(f"at most {MAX_BAD_WORDS // 2} bad_words are allowed, got {len(words)}", "bad_words")
+    sequences: list[tuple[int, ...]] = []
+    for word in words or ():
+        if not word.strip():
+            raise bad_request("bad_words must not hold an empty word", "bad_words")
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced[:1] != alone[:1] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def logit_bias_entries(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

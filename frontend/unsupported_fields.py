@@ -12,7 +12,6 @@ from frontend.protocol import SamplingFields
 # vLLM request fields conveyor does not implement: the values that ask nothing of the server, and
 # what to use instead, if anything. Any other value is a 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "bad_words": ((None, []), "logit_bias can ban single tokens"),
     "use_beam_search": ((None, False), ""),
     "prompt_logprobs": ((None,), "/v1/completions with echo and logprobs scores the prompt"),
     "return_tokens_as_token_ids": ((None, False), ""),

@@ -9,7 +9,7 @@ from typing import Any
 from frontend.errors import APIError, bad_request
 from frontend.grammar_check import GrammarCheck
 from frontend.prompt_text import chat_prompt_ids, check_text_fits
-from frontend.sampling_fields import or_default, sampling_params, stop_strings
+from frontend.sampling_fields import bad_words_token_ids, or_default, sampling_params, stop_strings
 from frontend.protocol import MAX_BATCH_SEQUENCES, ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.structured_output import request_grammar
 from frontend.tokenizer import Tokenizer
@@ -57,7 +57,6 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     `logprobs=k`: each token's logprob and the top k; with `echo`, the prompt's tokens too. An
     output constraint is compile-checked by `checker` (skipped without one), once for all prompts."""
     grammar = _check_choices(request, checker)
-    _check_single_constraint(request, grammar)
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
@@ -71,6 +70,7 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
         raise bad_request(f"min_tokens must be 0 when max_tokens is 0 (echo only scores the prompt), got "
                           f"{request.min_tokens}", "min_tokens")
     prompts = _prompts(request.prompt, or_default(request.n, DEFAULTS.n))
+    bad_words = bad_words_token_ids(request.bad_words, tokenizer)  # once for every prompt
     jobs = []
     for index, prompt in enumerate(prompts):
         try:  # what is wrong with one prompt of a batch says which
@@ -85,7 +85,7 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
                 exc.message = f"prompt {index}: {exc.message}"
             raise
         jobs.append(_completion_job(request, prompt, prompt_ids, room, tokenizer, limits, logprobs, grammar,
-                                    echo_only))
+                                    echo_only, bad_words))
     return jobs
 
 
@@ -107,12 +107,13 @@ def check_batch_fits(jobs: list[GenerationJob], max_num_seqs: int, max_num_waiti
 
 
 def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[int], room: int, tokenizer: Tokenizer,
-                    limits: ModelLimits, logprobs: int, grammar: GrammarSpec | None, echo_only: bool) -> GenerationJob:
+                    limits: ModelLimits, logprobs: int, grammar: GrammarSpec | None, echo_only: bool,
+                    bad_words: tuple[tuple[int, ...], ...]) -> GenerationJob:
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
     max_tokens = 1 if echo_only else or_default(request.max_tokens, default_max_tokens)
-    job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar)
+    job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar, bad_words=bad_words)
     return dataclasses.replace(job, echo_only=True) if echo_only else job
 
 
@@ -137,7 +138,6 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
         if checker is not None:
             checker.check(forced, "tool_choice")
         grammar = forced
-    _check_single_constraint(request, grammar)
     truncating = request.truncate_prompt_tokens is not None
     prompt_ids = chat_prompt_ids(request.messages, tokenizer, request, None if truncating else limits.max_model_len,
                                  tools)
@@ -149,7 +149,8 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages", max_tokens_param)
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
     return _job(request, prompt_ids, or_default(max_tokens, room), limits, {"logprobs": logprobs},
-                grammar=grammar, tool_choice=tool_choice)
+                grammar=grammar, tool_choice=tool_choice,
+                bad_words=bad_words_token_ids(request.bad_words, tokenizer))
 
 
 def _prompts(prompt: Any, n: int) -> list[Any]:
@@ -202,13 +203,6 @@ def _check_choices(request: SamplingFields, checker: GrammarCheck | None) -> Gra
     return None if constraint is None else constraint[0]
 
 
-def _check_single_constraint(request: SamplingFields, grammar: GrammarSpec | None) -> None:
-    """allowed_token_ids is a mask of its own: the scheduler runs one constraint per sequence."""
-    if grammar is not None and request.allowed_token_ids:
-        raise bad_request("allowed_token_ids cannot be combined with structured output (response_format, "
-                          "structured_outputs, guided_* or a forced tool_choice)", "allowed_token_ids")
-
-
 def _check_num_logprobs(value: int | None, param: str) -> int:
     """The number of top alternatives asked for; -1 when `value` is None."""
     if value is None:
@@ -255,14 +249,16 @@ def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: Mo
 
 def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits: ModelLimits,
          logprob_fields: dict[str, int], echo_text: str | None = None,
-         grammar: GrammarSpec | None = None, tool_choice: ToolChoice = ToolChoice("none")) -> GenerationJob:
+         grammar: GrammarSpec | None = None, tool_choice: ToolChoice = ToolChoice("none"),
+         bad_words: tuple[tuple[int, ...], ...] = ()) -> GenerationJob:
+    """`bad_words`: the request's, as bad_words_token_ids read them."""
     stream_options = request.stream_options
     if stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     include_usage = bool(request.stream and stream_options and stream_options.include_usage)
     return GenerationJob(
         prompt_token_ids=prompt_ids,
-        sampling_params=sampling_params(request, max_tokens, limits.vocab_size, logprob_fields),
+        sampling_params=sampling_params(request, max_tokens, limits.vocab_size, logprob_fields, bad_words),
         stop=stop_strings(request.stop),
         stream=bool(request.stream),
         include_usage=include_usage,

@@ -10,6 +10,8 @@ from proto.errors import ValidationError
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary conveyor serves (and each id is checked against it)
+MAX_BAD_WORDS = 256  # token sequences (a word may give two: with and without a leading space)
+MAX_BAD_WORD_TOKENS = 64
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
@@ -43,6 +45,8 @@ class SamplingParams:
     # vLLM's allowed_token_ids: every sampled token is one of these; () = any token. The scheduler
     # turns them into a constant mask row (scheduler_proc/token_set.py), as it does a grammar.
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as the frontend tokenized them: no output ends with one of these sequences.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     n: int = 1  # choices; the scheduler runs them as sibling sequences sharing the prompt's blocks
     logprobs: int = -1  # -1 = none; k >= 0 = the sampled token's logprob plus the top k
     prompt_logprobs: int = -1  # -1 = none; k >= 0 = each prompt token's logprob plus the top k
@@ -108,11 +112,21 @@ class SamplingParams:
             raise ValidationError(f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids are allowed, got "
                                   f"{len(self.allowed_token_ids)}", "allowed_token_ids")
         _check_token_ids("allowed_token_ids", self.allowed_token_ids, None)
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise ValidationError(f"bad_words may give at most {MAX_BAD_WORDS} token sequences, got "
+                                  f"{len(self.bad_words_token_ids)}", "bad_words")
+        for token_ids in self.bad_words_token_ids:
+            if not 1 <= len(token_ids) <= MAX_BAD_WORD_TOKENS:
+                raise ValidationError(f"each of bad_words must be 1 to {MAX_BAD_WORD_TOKENS} tokens long, "
+                                      f"got {len(token_ids)}", "bad_words")
+            _check_token_ids("bad_words", token_ids, None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValidationError when top_k or a token id is beyond a vocabulary of vocab_size."""
         check_vocab_bounds(vocab_size, self.top_k, self.stop_token_ids,
                            [token_id for token_id, _ in self.logit_bias], self.allowed_token_ids)
+        for token_ids in self.bad_words_token_ids:
+            _check_token_ids("bad_words", token_ids, vocab_size)
 
 
 def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[object],

@@ -58,8 +58,6 @@ def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks:
     if config.vocab_size and int(prompt.max()) >= config.vocab_size:
         return (f"prompt token id {int(prompt.max())} is out of range for a vocabulary of "
                 f"{config.vocab_size}")
-    if message.grammar is not None and message.sampling_params.allowed_token_ids:
-        return "allowed_token_ids cannot be combined with structured output (a grammar)"
     if message.resume is not None:
         resume_error = _resume_error(message, config)
         if resume_error:

@@ -11,14 +11,15 @@ a second for the first constrained request of a scheduler's life.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from proto.config import EngineConfig
 from proto.grammar import GrammarSpec
-from proto.messages import GrammarMasks, ResumedOutputs
-from scheduler_proc.token_set import TokenSet, allowed_row, bitmask_words
+from proto.messages import AddRequest, GrammarMasks, ResumedOutputs
+from scheduler_proc.bad_words import BadWords
+from scheduler_proc.token_set import AllOf, TokenSet, allowed_row, bitmask_words
 
 if TYPE_CHECKING:
     from scheduler_proc.grammar import GrammarTable, SequenceGrammar
@@ -60,12 +61,30 @@ class Constraints:
                 return [], f"choice {index}'s resumed output tokens do not match its grammar: {exc}"
         return grammars, ""
 
-    def token_sets(self, allowed_token_ids: Sequence[int], num_choices: int) -> tuple[list[TokenSet], str]:
-        """(one TokenSet per choice, sharing one row, "") or ([], why the request must end in error)."""
-        if self._config.vocab_size <= 0:
-            return [], "allowed_token_ids needs the model's vocabulary size, which this scheduler was not given"
-        row = allowed_row(allowed_token_ids, self._config.vocab_size)
-        return [TokenSet(row) for _ in range(num_choices)], ""
+    def for_request(self, message: AddRequest) -> tuple[list[Any], str]:
+        """(each choice's constraint, "") or ([], why the request must end in error): its grammar's
+        matcher (start), its allowed_token_ids (a TokenSet, one row shared by the choices), its
+        bad_words (BadWords, replayed over a resubmission's tokens), or AllOf of those it has."""
+        params, resumed = message.sampling_params, message.resume
+        parts: list[list[Any]] = [[] for _ in range(params.n)]
+        if message.grammar is not None:
+            grammars, reason = self.start(message.grammar, params.n, resumed)
+            if reason:
+                return [], reason
+            for choice_parts, grammar in zip(parts, grammars):
+                choice_parts.append(grammar)
+        vocab_size = self._config.vocab_size
+        if vocab_size <= 0 and (params.allowed_token_ids or params.bad_words_token_ids):
+            name = "allowed_token_ids" if params.allowed_token_ids else "bad_words"
+            return [], f"{name} needs the model's vocabulary size, which this scheduler was not given"
+        if params.allowed_token_ids:
+            row = allowed_row(params.allowed_token_ids, vocab_size)
+            for choice_parts in parts:
+                choice_parts.append(TokenSet(row))
+        if params.bad_words_token_ids:
+            for index, choice_parts in enumerate(parts):
+                choice_parts.append(BadWords(params.bad_words_token_ids, vocab_size, _output_tokens(resumed, index)))
+        return [choice_parts[0] if len(choice_parts) == 1 else AllOf(choice_parts) for choice_parts in parts], ""
 
     def masks(self, requests: Sequence[Request], rows: Sequence[int]) -> GrammarMasks:
         """The bitmask rows of the constrained sampling members `rows` (indices into `requests`).
@@ -104,3 +123,10 @@ class Constraints:
                                f"vocab_size {config.vocab_size})")
         self._table = GrammarTable.from_model_dir(config.model, config.vocab_size, list(config.eos_token_ids))
         return self._table
+
+
+def _output_tokens(resumed: ResumedOutputs | None, index: int) -> list[int]:
+    """Choice `index`'s output tokens that a resubmission restores (none for a new request)."""
+    if resumed is None:
+        return []
+    return resumed.token_ids[int(resumed.cu_token_ids[index]):int(resumed.cu_token_ids[index + 1])].tolist()

@@ -110,10 +110,8 @@ class SchedulerEngine:
             logger.warning("duplicate request id %r rejected", request_id)
             reason, error_code = f"request id {request_id!r} is already in use", ERROR_NONE
         grammars: list = []
-        if not reason and message.grammar is not None:  # the frontend compiled it first: this is the fallback
-            grammars, reason = self.constraints.start(message.grammar, params.n, message.resume)
-        elif not reason and params.allowed_token_ids:
-            grammars, reason = self.constraints.token_sets(params.allowed_token_ids, params.n)
+        if not reason and (message.grammar is not None or params.allowed_token_ids or params.bad_words_token_ids):
+            grammars, reason = self.constraints.for_request(message)  # a grammar: the frontend compiled it first
         if reason:
             for choice_index in range(params.n):
                 self._outputs.add(OutputOwner(request_id, choice_index, 0), -1, FinishReason.ERROR, reason, now,

@@ -1,14 +1,17 @@
-"""allowed_token_ids as a constraint: one constant bitmask row that the sequence samples under at every step.
+"""allowed_token_ids as a constraint (one constant bitmask row), and AllOf, a sequence's constraints at once.
 
-A TokenSet takes a grammar's place on the Request (Request.grammar), so the batch's constrained
-rows, the plan's mask rows (Constraints.masks) and the stop rule treat both alike; it needs no
-grammar engine. Bit t of a row (word t // 32, bit t % 32, little-endian) is 1 when token t is
-allowed, the layout of scheduler_proc/grammar.py and worker_proc/grammar_mask.py.
+A constraint sits on Request.grammar: a grammar's matcher (scheduler_proc/grammar.py), a TokenSet,
+BadWords (scheduler_proc/bad_words.py), or AllOf of several. Each has `error`, `is_finished`,
+`accept(token_id)`, `fail(message)` and `fill_row(row)`, so the batch's constrained rows, the
+plan's mask rows (Constraints.masks) and the stop rule treat them alike. Bit t of a row (word
+t // 32, bit t % 32, little-endian) is 1 when token t is allowed, the layout of
+scheduler_proc/grammar.py and worker_proc/grammar_mask.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,3 +55,33 @@ class TokenSet:
     def fill_row(self, row: np.ndarray) -> None:
         """Write the allowed tokens into `row`, int32 [words]."""
         row[:] = self._row
+
+
+class AllOf:
+    """Several constraints of one sequence: a token is allowed where every one allows it (rows
+    ANDed); it finishes when any part does (a grammar that can only end), fails when any fails."""
+
+    def __init__(self, parts: Sequence[Any]) -> None:
+        self._parts = list(parts)
+
+    @property
+    def error(self) -> str:
+        return next((part.error for part in self._parts if part.error), "")
+
+    @property
+    def is_finished(self) -> bool:
+        return any(part.is_finished for part in self._parts)
+
+    def accept(self, token_id: int) -> None:
+        for part in self._parts:
+            part.accept(token_id)
+
+    def fail(self, error_message: str) -> None:
+        self._parts[0].fail(error_message)
+
+    def fill_row(self, row: np.ndarray) -> None:
+        self._parts[0].fill_row(row)
+        other = np.empty_like(row)  # int32 [words]
+        for part in self._parts[1:]:
+            part.fill_row(other)
+            row &= other

@@ -11,7 +11,7 @@ IDS = list(range(10, 40))  # a 30-token prompt
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", [
-    ("bad_words", [" Paris"]), ("use_beam_search", True),
+    ("use_beam_search", True),
     ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False),
     ("logits_processors", ["x"])])
 async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, endpoint, field, value):
@@ -51,7 +51,7 @@ async def test_a_chat_field_conveyor_does_not_implement_is_a_400_naming_it(clien
 
 async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(client):
     response = await client.post("/v1/completions", json={
-        "prompt": "x", "bad_words": [], "use_beam_search": False, "prompt_logprobs": None,
+        "prompt": "x", "use_beam_search": False, "prompt_logprobs": None,
         "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "logits_processors": []})
     assert response.status_code == 200, response.text
 
@@ -78,14 +78,39 @@ async def test_bad_allowed_token_ids_are_a_400_saying_which_limit(client, engine
 
 
 @pytest.mark.parametrize("constraint", [
-    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a", "b"]}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"}])
-async def test_allowed_token_ids_with_structured_output_is_a_400(client, engine, constraint):
+    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a", "b"]}}])
+async def test_allowed_token_ids_travel_beside_structured_output(client, engine, constraint):
     response = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [28], **constraint})
+        "messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [28], "bad_words": ["b"],
+        **constraint})
+    assert response.status_code == 200, response.text
+    added = engine.added[0]
+    assert added.grammar is not None and added.sampling_params.allowed_token_ids == (28,)
+    assert added.sampling_params.bad_words_token_ids
+
+
+async def test_bad_words_reach_the_engine_tokenized_as_vllm_does(client, engine, tokenizer):
+    words = ["Paris", " capital of", "is"]  # "is" and " is" are one token each
+    response = await client.post("/v1/completions", json={"prompt": "x", "bad_words": words})
+    assert response.status_code == 200, response.text
+    expected = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        expected += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    assert engine.added[0].sampling_params.bad_words_token_ids == tuple(expected)
+    assert len(expected) > len(words)  # some word also banned in mid-text form
+
+
+@pytest.mark.parametrize("value, message", [
+    (["ok", "  "], "bad_words must not hold an empty word"),
+    (["x" * 200], "each of bad_words must be 1 to 64 tokens long"),
+    ([f"w{i}" for i in range(129)], "at most 128 bad_words are allowed, got 129")])
+async def test_bad_bad_words_are_a_400_saying_which_limit(client, engine, value, message):
+    response = await client.post("/v1/completions", json={"prompt": "x", "bad_words": value})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "allowed_token_ids" and "cannot be combined with structured output" in error["message"], error
+    assert error["param"].startswith("bad_words") and message in error["message"], error
     assert not engine.added
 
 

@@ -26,8 +26,9 @@ SAMPLED = [
 GREEDY_PROMPTS = ["The quick brown fox", "What is the capital of France?"]
 STOP_PROMPT = "Emoji and accents"
 FORCED_PROMPT, FORCED_WORD = "Paris is", " fox"  # logit_bias +100 on the word's one token
-# allowed_token_ids: the one-token words it may sample from, with temperature and a seed
-ALLOWED_PROMPT, ALLOWED_WORDS = "Pick one:", (" fox", " dog", " the")
+# allowed_token_ids: the one-token words it may sample from, with temperature and a seed, and
+# bad_words banning the last one (as written and, being one token either way, in mid-text form)
+ALLOWED_PROMPT, ALLOWED_WORDS, BAD_WORD = "Pick one:", (" fox", " dog", " is"), "is"
 NUM_REQUESTS = len(SAMPLED) + len(GREEDY_PROMPTS) + 3
 
 
@@ -88,7 +89,7 @@ def mixed_bodies(hf_texts: dict[str, str], forced_token_id: int, allowed_token_i
     bodies.append({**base, "prompt": FORCED_PROMPT, "temperature": 0,
                    "logit_bias": {str(forced_token_id): 100}})
     bodies.append({**base, "prompt": ALLOWED_PROMPT, "temperature": 1.0, "seed": 5,
-                   "allowed_token_ids": allowed_token_ids})
+                   "allowed_token_ids": allowed_token_ids, "bad_words": [BAD_WORD]})
     return bodies
 
 
@@ -127,4 +128,5 @@ def test_mixed_sampling_params_in_one_batch_each_give_their_solo_text_and_greedy
     assert stopped["text"] == hf_texts[STOP_PROMPT][:hf_texts[STOP_PROMPT].index(stop)]
     assert forced["text"] == FORCED_WORD * MAX_TOKENS
     words = re.findall("|".join(ALLOWED_WORDS), allowed["text"])
-    assert "".join(words) == allowed["text"] and len(words) == MAX_TOKENS and len(set(words)) > 1
+    assert "".join(words) == allowed["text"] and len(words) == MAX_TOKENS
+    assert set(words) == set(ALLOWED_WORDS) - {" " + BAD_WORD}

@@ -1,4 +1,4 @@
-"""allowed_token_ids: a constant mask row at every sampling step, under preemption, n and alongside grammars."""
+"""allowed_token_ids and bad_words: mask rows at every sampling step, under preemption and n, and beside a grammar."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tokenizers
-from test_structured_output import SPEC, VOCAB, add, make_harness
+from test_structured_output import SPEC, VOCAB, add, assert_valid, make_harness
 
 from proto.errors import ValidationError
 from proto.messages import AddRequest
 from proto.sampling import SamplingParams
 from scheduler_fakes import Harness
+from scheduler_proc.bad_words import BadWords
 from scheduler_proc.token_set import TokenSet, allowed_row
 
 ALLOWED = (7, 31, 32, 33, 64, 511, VOCAB - 1)
@@ -74,14 +75,59 @@ def test_siblings_share_the_set_and_preemption_keeps_their_output(
     assert len({tuple(tokens) for tokens in outputs[64].values()}) == 3
 
 
-def test_allowed_token_ids_with_a_grammar_end_in_an_error_saying_so(
+def test_allowed_token_ids_beside_a_grammar_keep_its_output_valid_and_inside_the_set(
         tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    alone = make_harness(tokenizer_dir, backend)
+    add(alone, "g", 5, SPEC)
+    alone.run()
+    output = alone.log.tokens["g"]
+    matcher, row = alone.engine.constraints.start(SPEC, 1)[0][0], np.empty(-(-VOCAB // 32), dtype=np.int32)
+    for token in output:  # a pick the grammar made once, among others: taken away, the output changes
+        matcher.fill_row(row)
+        if VOCAB - len(disallowed(row)) > 1 and output.count(token) == 1:
+            first = token
+            break
+        matcher.advance(token)
+    allowed = tuple(t for t in range(VOCAB) if t != first)
     harness = make_harness(tokenizer_dir, backend)
-    add(harness, "both", 5, SPEC, allowed_token_ids=ALLOWED)
-    add(harness, "u", 5, None, max_tokens=3)
+    add(harness, "both", 5, SPEC, allowed_token_ids=allowed)
     harness.run()
-    assert harness.log.finish_reasons == {"both": "error", "u": "length"}
-    assert "cannot be combined with structured output" in harness.log.error_messages["both"]
+    assert harness.log.finish_reasons == {"both": "stop"}
+    assert_valid(backend, harness.log.tokens["both"])
+    assert first not in harness.log.tokens["both"]
+
+
+def test_bad_words_mask_the_token_that_would_complete_one(tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    a, b = 300, 301
+    harness = make_harness(tokenizer_dir, backend)
+    # Allowed only a and b; "a b" and "b b" banned: after the first token, b can never follow.
+    add(harness, "r", 5, None, allowed_token_ids=(a, b), bad_words_token_ids=((a, b), (b, b)),
+        max_tokens=40, ignore_eos=True, temperature=1.0, seed=1)
+    add(harness, "one", 5, None, allowed_token_ids=(a, b), bad_words_token_ids=((b,),), max_tokens=10,
+        ignore_eos=True)
+    harness.run()
+    tokens = harness.log.tokens["r"]
+    assert tokens[0] in (a, b) and tokens[1:] == [a] * 39
+    assert harness.log.tokens["one"] == [a] * 10
+
+
+def test_bad_words_follow_the_output_not_the_prompt_and_replay_restored_tokens() -> None:
+    bad = BadWords([(5, 6, 7), (9,)], VOCAB)
+    row = np.empty(-(-VOCAB // 32), dtype=np.int32)
+    bad.fill_row(row)
+    assert disallowed(row) == [9]
+    for token in (5, 6):
+        bad.accept(token)
+    bad.fill_row(row)
+    assert disallowed(row) == [7, 9] and bad.error == ""
+    bad.accept(7)
+    assert bad.error == "token 7 completes one of bad_words"
+    restored = BadWords([(5, 6, 7)], VOCAB, output_token_ids=[1, 5, 6])
+    assert restored.banned_next() == [7]
+
+
+def disallowed(row: np.ndarray) -> list[int]:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB] == 0).tolist()
 
 
 def test_without_the_vocabulary_size_allowed_token_ids_fail_and_others_run() -> None:
