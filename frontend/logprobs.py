@@ -7,7 +7,7 @@ temperature 0.7 a sampled token's logprob is still the one at temperature 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from frontend.engine_outputs import TokenLogprob
@@ -20,6 +20,12 @@ def _value(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def token_namer(tokenizer: Tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids,
+    for tokens whose bytes are not text on their own)."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else tokenizer.token_text
+
+
 class CompletionLogprobs:
     """Builds `choices[i].logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`.
 
@@ -29,26 +35,27 @@ class CompletionLogprobs:
     a token without an entry (the first prompt token) has null logprob and null top.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._name_of = token_namer(tokenizer, tokens_as_ids)
         self._text_offset = 0
 
     def build(self, token_ids: Sequence[int],
               entries: Sequence[TokenLogprob | None]) -> dict[str, list[Any]]:
-        text_of = self._tokenizer.token_text
+        name_of = self._name_of
         shape: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                        "text_offset": []}
         for token_id, entry in zip(token_ids, entries, strict=True):
-            text = text_of(token_id)
-            shape["tokens"].append(text)
-            shape["text_offset"].append(self._text_offset)
-            self._text_offset += len(text)
+            name = name_of(token_id)
+            shape["tokens"].append(name)
+            shape["text_offset"].append(self._text_offset)  # of the text, however tokens are named
+            self._text_offset += len(self._tokenizer.token_text(token_id))
             if entry is None:
                 shape["token_logprobs"].append(None)
                 shape["top_logprobs"].append(None)
                 continue
-            top = {text_of(top_id): _value(logprob) for top_id, logprob in entry.top}
-            top.setdefault(text, _value(entry.logprob))
+            top = {name_of(top_id): _value(logprob) for top_id, logprob in entry.top}
+            top.setdefault(name, _value(entry.logprob))
             shape["token_logprobs"].append(_value(entry.logprob))
             shape["top_logprobs"].append(top)
         return shape
@@ -61,18 +68,21 @@ def prompt_entries(prompt_token_ids: Sequence[int],
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
-                  entries: Sequence[TokenLogprob | None], num_top: int) -> dict[str, Any]:
-    """`choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs}]}`, top k each."""
+                  entries: Sequence[TokenLogprob | None], num_top: int, tokens_as_ids: bool = False) -> dict[str, Any]:
+    """`choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs}]}`, top k each;
+    `bytes` are the token's own either way."""
+    name_of = token_namer(tokenizer, tokens_as_ids)
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
-        item = _chat_token(tokenizer, token_id, None if entry is None else entry.logprob)
+        item = _chat_token(tokenizer, name_of, token_id, None if entry is None else entry.logprob)
         top = entry.top[:num_top] if entry is not None else ()
-        item["top_logprobs"] = [_chat_token(tokenizer, top_id, logprob) for top_id, logprob in top]
+        item["top_logprobs"] = [_chat_token(tokenizer, name_of, top_id, logprob) for top_id, logprob in top]
         content.append(item)
     return {"content": content}
 
 
-def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
-    return {"token": tokenizer.token_text(token_id),
+def _chat_token(tokenizer: Tokenizer, name_of: Callable[[int], str], token_id: int,
+                logprob: float | None) -> dict[str, Any]:
+    return {"token": name_of(token_id),
             "logprob": None if logprob is None else _value(logprob),
             "bytes": list(tokenizer.token_bytes(token_id))}

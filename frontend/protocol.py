@@ -120,6 +120,8 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
                                                    items={"type": "integer", "minimum": 0})
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output text
+    # logprobs name each token "token_id:N" instead of its text (for tokens that are not valid UTF-8 alone)
+    return_tokens_as_token_ids: bool | None = None
     # The prompt's last k tokens only (-1: as many as leave room for max_tokens), before the context check.
     truncate_prompt_tokens: Count | None = _documented(minimum=-1)
     # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
@@ -131,7 +133,6 @@ class SamplingFields(_Strict):
     bad_words: list[str] | None = _documented(maxItems=MAX_BAD_WORDS // 2)
     use_beam_search: bool | None = None
     prompt_logprobs: Any = None
-    return_tokens_as_token_ids: bool | None = None
     spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 

@@ -20,7 +20,7 @@ MAX_STOP_STRING_CHARS = 512
 PASSED_THROUGH = tuple(f.name for f in dataclasses.fields(SamplingParams)
                        if f.name in SamplingFields.model_fields and f.name not in (
                            "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias",
-                           "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs"))
+                           "allowed_token_ids", "logprobs", "prompt_logprobs"))
 
 
 def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,

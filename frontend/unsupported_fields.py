@@ -14,7 +14,6 @@ from frontend.protocol import SamplingFields
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((None, False), ""),
     "prompt_logprobs": ((None,), "/v1/completions with echo and logprobs scores the prompt"),
-    "return_tokens_as_token_ids": ((None, False), ""),
     "spaces_between_special_tokens": ((None, True), ""),
     "logits_processors": ((None, []), ""),
 }

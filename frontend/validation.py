@@ -44,6 +44,7 @@ class GenerationJob:
     include_usage: bool
     continuous_usage: bool = False  # stream: every chunk carries the usage so far (vLLM's stream option)
     skip_special_tokens: bool = True  # False: special tokens' text is part of the output text
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
     include_stop_str: bool = False  # the stop string or stop token that ended a choice stays in its text
     echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated
@@ -264,6 +265,7 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         include_usage=include_usage,
         continuous_usage=include_usage and stream_options.continuous_usage_stats,  # vLLM asks for both
         skip_special_tokens=request.skip_special_tokens,
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,
         grammar=grammar,

@@ -52,7 +52,7 @@ class ChatFormat:
         logprobs = None
         if delta.token_ids and generation.choices[delta.index].wants_logprobs:
             logprobs = chat_logprobs(self._tokenizer, delta.token_ids, delta.logprobs,
-                                     generation.job.sampling_params.logprobs)
+                                     generation.job.sampling_params.logprobs, generation.job.tokens_as_ids)
         deltas = self._output_deltas(generation, delta)
         if not deltas and logprobs is not None:
             deltas = [{}]  # the logprobs of tokens whose text is still held back
@@ -65,7 +65,7 @@ class ChatFormat:
         logprobs = None
         if choice.wants_logprobs:
             logprobs = chat_logprobs(self._tokenizer, choice.token_ids, choice.logprobs,
-                                     generation.job.sampling_params.logprobs)
+                                     generation.job.sampling_params.logprobs, generation.job.tokens_as_ids)
         parsed = read_output(generation.job.tool_choice, self._tool_parser, choice.text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:

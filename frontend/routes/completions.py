@@ -51,7 +51,8 @@ class CompletionFormat:
             entries = [*prompt_entries(job.prompt_token_ids, generation.prompt_logprobs), *entries]
         logprobs = None
         if token_ids and generation.choices[delta.index].wants_logprobs:
-            builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer))
+            builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer,
+                                                                                       job.tokens_as_ids))
             logprobs = builder.build(token_ids, entries)
         if not text and logprobs is None:
             return []
@@ -75,7 +76,7 @@ class CompletionFormat:
                 prompt_ids = generation.job.prompt_token_ids
                 token_ids[:0] = prompt_ids
                 entries[:0] = prompt_entries(prompt_ids, generation.prompt_logprobs)
-            logprobs = CompletionLogprobs(self._tokenizer).build(token_ids, entries)
+            logprobs = CompletionLogprobs(self._tokenizer, job.tokens_as_ids).build(token_ids, entries)
         return _choice(choice.index, text, logprobs, finish_reason)
 
 

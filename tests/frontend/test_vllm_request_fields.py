@@ -12,7 +12,7 @@ IDS = list(range(10, 40))  # a 30-token prompt
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True),
-    ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False),
+    ("prompt_logprobs", 1), ("spaces_between_special_tokens", False),
     ("logits_processors", ["x"])])
 async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, endpoint, field, value):
     prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
@@ -52,7 +52,7 @@ async def test_a_chat_field_conveyor_does_not_implement_is_a_400_naming_it(clien
 async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(client):
     response = await client.post("/v1/completions", json={
         "prompt": "x", "use_beam_search": False, "prompt_logprobs": None,
-        "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "logits_processors": []})
+        "spaces_between_special_tokens": True, "logits_processors": []})
     assert response.status_code == 200, response.text
 
 
@@ -170,3 +170,27 @@ async def test_tokenize_returns_the_token_strings_when_asked(client, tokenizer):
     assert body["token_strs"] == [tokenizer.token_piece(t) for t in body["tokens"]]
     assert "".join(body["token_strs"]).replace("Ġ", " ") == "Hello world"
     assert "token_strs" not in (await client.post("/tokenize", json={"prompt": "Hello"})).json()
+
+
+async def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(client, engine, tokenizer):
+    body = {"prompt": "The capital", "logprobs": 2, "echo": True, "max_tokens": 5}
+    plain = (await client.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+    named = (await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}))
+    logprobs = named.json()["choices"][0]["logprobs"]
+    token_ids = [*engine.added[1].prompt_token_ids, *engine.reply_token_ids[:5]]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in token_ids]
+    assert logprobs["text_offset"] == plain["text_offset"]  # offsets into the text, as without it
+    assert logprobs["token_logprobs"] == plain["token_logprobs"]
+    assert all(key.startswith("token_id:") for top in logprobs["top_logprobs"][1:] for key in top)
+
+
+async def test_streamed_chat_logprobs_name_tokens_by_id_and_keep_their_bytes(client, engine, tokenizer, sse):
+    response = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2, "stream": True,
+        "max_tokens": 6, "return_tokens_as_token_ids": True})
+    events, _ = sse(response.text)
+    content = [item for event in events for choice in event["choices"] if choice.get("logprobs")
+               for item in choice["logprobs"]["content"]]
+    assert [item["token"] for item in content] == [f"token_id:{t}" for t in engine.reply_token_ids[:6]]
+    assert [bytes(item["bytes"]) for item in content] == [tokenizer.token_bytes(t) for t in engine.reply_token_ids[:6]]
+    assert all(top["token"].startswith("token_id:") for item in content for top in item["top_logprobs"])
