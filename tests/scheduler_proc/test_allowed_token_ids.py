@@ -11,7 +11,7 @@ import tokenizers
 from test_structured_output import SPEC, VOCAB, add, assert_valid, make_harness
 
 from proto.errors import ValidationError
-from proto.messages import AddRequest
+from proto.messages import AddRequest, ResumedOutputs
 from proto.sampling import SamplingParams
 from scheduler_fakes import Harness
 from scheduler_proc.bad_words import BadWords
@@ -152,3 +152,13 @@ def test_the_vocabulary_bounds_allowed_token_ids() -> None:
     SamplingParams(allowed_token_ids=(0, VOCAB - 1)).check_vocab(VOCAB)
     with pytest.raises(ValidationError, match=f"allowed_token_ids token id {VOCAB} is out of range"):
         SamplingParams(allowed_token_ids=(0, VOCAB)).check_vocab(VOCAB)
+
+
+def test_a_resubmitted_requests_bad_words_continue_from_each_choices_restored_tokens() -> None:
+    harness = Harness()
+    resume = ResumedOutputs(np.array([0, 2, 5], np.int32), np.array([5, 6, 1, 5, 9], np.int32),
+                            np.array([False, False]))
+    params = SamplingParams(n=2, max_tokens=20, bad_words_token_ids=((5, 6, 7), (5, 9, 8)))
+    harness.engine.add(AddRequest("r", np.arange(1, 6, dtype=np.int32), params, time.time(), resume=resume))
+    first, second = (harness.engine.get_request("r", index) for index in (0, 1))
+    assert first.grammar.banned_next() == [7] and second.grammar.banned_next() == [8]
