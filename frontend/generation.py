@@ -160,7 +160,7 @@ class Generation:
                         self._record(choice, ended, now_s)
         if counted:
             self._metrics.record_request_finished(self.num_prompt_tokens, len(self.choices),
-                                                  self.job.sampling_params.max_tokens,
+                                                  0 if self.job.echo_only else self.job.sampling_params.max_tokens,
                                                   max(choice.num_tokens for choice in self.choices))
         if self._stream is not None:
             await self._stream.aclose()

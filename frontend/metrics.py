@@ -188,7 +188,8 @@ class FrontendMetrics:
 
     def record_request_finished(self, num_prompt_tokens: int, n: int = 1, max_tokens: int = 0,
                                 max_num_generation_tokens: int = 0) -> None:
-        """One per request (all its choices): `max_tokens` as resolved (0: not known, not observed),
+        """One per request (all its choices): `max_tokens` as resolved (0: none asked, as for an
+        echo that only scores the prompt: not observed),
         `max_num_generation_tokens` the longest choice's count."""
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_params_n.observe(n)

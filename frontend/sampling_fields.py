@@ -34,13 +34,13 @@ def sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int,
     if request.allowed_token_ids == []:
         raise bad_request("allowed_token_ids must not be empty (leave it out to allow every token)",
                           "allowed_token_ids")
-    allowed_token_ids = tuple(request.allowed_token_ids or ())
+    allowed_token_ids = tuple(dict.fromkeys(request.allowed_token_ids or ()))  # repeats dropped: fewer to carry
     if len(allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:  # before the vocabulary check reads them all
         raise bad_request(f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids are allowed, got "
                           f"{len(allowed_token_ids)}", "allowed_token_ids")
     try:
         check_vocab_bounds(vocab_size, or_default(request.top_k, DEFAULTS.top_k), stop_token_ids,
-                           [token_id for token_id, _ in logit_bias], allowed_token_ids)
+                           [token_id for token_id, _ in logit_bias], allowed_token_ids, bad_words_token_ids)
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=stop_token_ids, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids,

@@ -140,6 +140,8 @@ def _decoder_of(hint: object) -> _Decoder:
         return _decode_str_list
     if origin is list:
         return _sequence_decoder(_decoder_of(args[0]), list)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] is int:
+        return _decode_int_tuple
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return _sequence_decoder(_decoder_of(args[0]), tuple)
     if origin is tuple:
@@ -180,6 +182,13 @@ def _decode_str_list(value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(type(item) is str for item in value):
         raise ProtocolError(f"{where} must be a list of strings")
     return value
+
+
+def _decode_int_tuple(value: object, where: str) -> tuple[int, ...]:
+    """A tuple of ints at C speed (allowed_token_ids may list a whole vocabulary)."""
+    if not isinstance(value, list) or not all(type(item) is int for item in value):
+        raise ProtocolError(f"{where} must be an array of integers")
+    return tuple(value)
 
 
 def _sequence_decoder(decode_item: _Decoder, kind: type) -> _Decoder:

@@ -124,13 +124,13 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValidationError when top_k or a token id is beyond a vocabulary of vocab_size."""
         check_vocab_bounds(vocab_size, self.top_k, self.stop_token_ids,
-                           [token_id for token_id, _ in self.logit_bias], self.allowed_token_ids)
-        for token_ids in self.bad_words_token_ids:
-            _check_token_ids("bad_words", token_ids, vocab_size)
+                           [token_id for token_id, _ in self.logit_bias], self.allowed_token_ids,
+                           self.bad_words_token_ids)
 
 
 def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[object],
-                       logit_bias_token_ids: Iterable[object], allowed_token_ids: Iterable[object] = ()) -> None:
+                       logit_bias_token_ids: Iterable[object], allowed_token_ids: Iterable[object] = (),
+                       bad_words_token_ids: Iterable[Iterable[object]] = ()) -> None:
     """The checks that need the model's vocabulary (a decoder does not know it): top_k at most
     the vocabulary, every token id inside it."""
     check_top_k(top_k, vocab_size)
@@ -139,6 +139,8 @@ def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[
     for token_id in logit_bias_token_ids:
         _check_token_id("logit_bias", token_id, vocab_size)
     _check_token_ids("allowed_token_ids", allowed_token_ids, vocab_size)
+    for token_ids in bad_words_token_ids:
+        _check_token_ids("bad_words", token_ids, vocab_size)
 
 
 def _check_type(name: str, value: object, kind: type) -> None:

@@ -58,6 +58,10 @@ def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks:
     if config.vocab_size and int(prompt.max()) >= config.vocab_size:
         return (f"prompt token id {int(prompt.max())} is out of range for a vocabulary of "
                 f"{config.vocab_size}")
+    if message.sampling_params.allowed_token_ids:
+        empty = _empty_allowed_set_reason(message, config)
+        if empty:
+            return empty
     if message.resume is not None:
         resume_error = _resume_error(message, config)
         if resume_error:
@@ -68,6 +72,20 @@ def _never_runs_reason(message: AddRequest, config: EngineConfig, num_kv_blocks:
         except ValidationError as exc:
             return exc.message
     return _kv_capacity_error(num_prompt, message.sampling_params.max_tokens, config, num_kv_blocks)
+
+
+def _empty_allowed_set_reason(message: AddRequest, config: EngineConfig) -> str:
+    """allowed_token_ids that leave nothing to sample: all banned as one-token bad_words, or all
+    stop tokens while min_tokens forbids stopping."""
+    params = message.sampling_params
+    allowed = set(params.allowed_token_ids) - {t[0] for t in params.bad_words_token_ids if len(t) == 1}
+    if not allowed:
+        return "every one of allowed_token_ids is also one of bad_words: no token is left to sample"
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(config.eos_token_ids))
+    if params.min_tokens and allowed <= stops:
+        return (f"allowed_token_ids holds only stop tokens, which min_tokens {params.min_tokens} forbids "
+                f"at first: no token is left to sample")
+    return ""
 
 
 def _resume_error(message: AddRequest, config: EngineConfig) -> str:

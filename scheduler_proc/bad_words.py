@@ -28,8 +28,13 @@ class BadWords:
         for token_ids in sequences:
             if len(token_ids) == 1:
                 _clear(self._always, token_ids[0])
-        self._longer = [(tuple(token_ids[:-1]), token_ids[-1]) for token_ids in sequences if len(token_ids) > 1]
-        self._window = max((len(prefix) for prefix, _ in self._longer), default=0)
+        # Multi-token words by the last token of their prefix: a step looks only at those that the
+        # latest output token could continue.
+        self._longer: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for token_ids in sequences:
+            if len(token_ids) > 1:
+                self._longer.setdefault(token_ids[-2], []).append((tuple(token_ids[:-1]), token_ids[-1]))
+        self._window = max((len(t) - 1 for t in sequences), default=0)
         self._recent: list[int] = []  # the last `_window` output tokens
         self.error = ""
         for token_id in output_token_ids:
@@ -38,7 +43,9 @@ class BadWords:
     def banned_next(self) -> list[int]:
         """The tokens that would complete a banned sequence now (one-token words aside)."""
         recent = self._recent
-        return [last for prefix, last in self._longer
+        if not recent:
+            return []
+        return [last for prefix, last in self._longer.get(recent[-1], ())
                 if len(prefix) <= len(recent) and tuple(recent[len(recent) - len(prefix):]) == prefix]
 
     def accept(self, token_id: int) -> None:

@@ -83,7 +83,10 @@ class Constraints:
                 choice_parts.append(TokenSet(row))
         if params.bad_words_token_ids:
             for index, choice_parts in enumerate(parts):
-                choice_parts.append(BadWords(params.bad_words_token_ids, vocab_size, _output_tokens(resumed, index)))
+                bad_words = BadWords(params.bad_words_token_ids, vocab_size, _output_tokens(resumed, index))
+                if bad_words.error:
+                    return [], f"choice {index}'s resumed output tokens hold one of its bad_words: {bad_words.error}"
+                choice_parts.append(bad_words)
         return [choice_parts[0] if len(choice_parts) == 1 else AllOf(choice_parts) for choice_parts in parts], ""
 
     def masks(self, requests: Sequence[Request], rows: Sequence[int]) -> GrammarMasks:
@@ -102,6 +105,10 @@ class Constraints:
                 request.grammar.fill_row(bitmask[index])
             except failures as exc:
                 request.grammar.fail(str(exc))
+                bitmask[index] = -1
+            if not bitmask[index].any():  # e.g. a grammar whose every continuation is among bad_words
+                request.grammar.fail("the request's constraints (grammar, allowed_token_ids, bad_words) "
+                                     "leave no token to sample here")
                 bitmask[index] = -1
         return GrammarMasks(np.asarray(rows, dtype=np.int32), bitmask.shape[1], bitmask.reshape(-1))
 

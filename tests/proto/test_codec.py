@@ -123,6 +123,17 @@ def test_sampling_params_out_of_range_are_rejected_on_decode() -> None:
         codec.decode(msgpack.packb(frame), messages.MESSAGE_TYPES)
 
 
+@pytest.mark.parametrize("value", [[1, "2"], [1, 2.0], [True], "12"])
+def test_token_id_tuples_take_only_integers_on_decode(value: object) -> None:
+    params = SamplingParams(allowed_token_ids=(1, 2), bad_words_token_ids=((1, 2),))
+    frame = msgpack.unpackb(codec.encode(messages.AddRequest("a", np.arange(3, dtype=np.int32), params, 0.0)))
+    index = [f.name for f in dataclasses.fields(SamplingParams)].index("allowed_token_ids")
+    assert frame[3][index] == [1, 2]
+    frame[3][index] = value
+    with pytest.raises(ProtocolError, match="allowed_token_ids must be an array of integers"):
+        codec.decode(msgpack.packb(frame), messages.MESSAGE_TYPES)
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
     ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),

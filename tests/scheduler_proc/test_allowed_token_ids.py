@@ -11,7 +11,7 @@ import tokenizers
 from test_structured_output import SPEC, VOCAB, add, assert_valid, make_harness
 
 from proto.errors import ValidationError
-from proto.messages import AddRequest, ResumedOutputs
+from proto.messages import ERROR_INVALID_REQUEST, AddRequest, ResumedOutputs
 from proto.sampling import SamplingParams
 from scheduler_fakes import Harness
 from scheduler_proc.bad_words import BadWords
@@ -162,3 +162,39 @@ def test_a_resubmitted_requests_bad_words_continue_from_each_choices_restored_to
     harness.engine.add(AddRequest("r", np.arange(1, 6, dtype=np.int32), params, time.time(), resume=resume))
     first, second = (harness.engine.get_request("r", index) for index in (0, 1))
     assert first.grammar.banned_next() == [7] and second.grammar.banned_next() == [8]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"allowed_token_ids": (5, 6), "bad_words_token_ids": ((5,), (6,))}, "also one of bad_words"),
+    ({"allowed_token_ids": (2, 7), "stop_token_ids": (7,), "min_tokens": 1}, "holds only stop tokens"),
+])
+def test_an_allowed_set_that_leaves_nothing_to_sample_is_refused_as_invalid(params: dict, message: str) -> None:
+    harness = Harness()  # its model's EOS is token 2
+    harness.engine.add(AddRequest("r", np.arange(1, 6, dtype=np.int32), SamplingParams(max_tokens=5, **params),
+                                  time.time()))
+    outputs = harness.engine.drain_outputs()
+    assert outputs is not None and outputs.finish_reasons == ["error"]
+    assert message in outputs.error_messages[0] and outputs.error_codes.tolist() == [ERROR_INVALID_REQUEST]
+
+
+def test_a_grammar_whose_only_continuation_is_banned_ends_in_an_error_saying_so(
+        tokenizer_dir: Path, backend: tokenizers.Tokenizer) -> None:
+    alone = make_harness(tokenizer_dir, backend)
+    add(alone, "g", 5, SPEC)
+    alone.run()
+    forced = alone.log.tokens["g"][0]  # a JSON object's opening brace: nothing else may start it
+    harness = make_harness(tokenizer_dir, backend)
+    add(harness, "g", 5, SPEC, bad_words_token_ids=((forced,),))
+    harness.run()
+    assert harness.log.finish_reasons == {"g": "error"}
+    assert "leave no token to sample" in harness.log.error_messages["g"]
+
+
+def test_resumed_tokens_that_hold_a_bad_word_end_the_request_at_once() -> None:
+    harness = Harness()
+    resume = ResumedOutputs(np.array([0, 2], np.int32), np.array([5, 6], np.int32), np.array([False]))
+    params = SamplingParams(max_tokens=20, bad_words_token_ids=((5, 6),))
+    harness.engine.add(AddRequest("r", np.arange(1, 6, dtype=np.int32), params, time.time(), resume=resume))
+    outputs = harness.engine.drain_outputs()
+    assert outputs is not None and outputs.finish_reasons == ["error"]
+    assert "resumed output tokens hold one of its bad_words" in outputs.error_messages[0]
