@@ -1,4 +1,4 @@
-"""A request's sampling fields -> SamplingParams: what passes through, logit_bias keys, stop strings."""
+"""A request's sampling fields -> SamplingParams: what passes through, logit_bias keys, bad_words, stop strings."""
 
 from __future__ import annotations
 

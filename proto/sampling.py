@@ -93,8 +93,7 @@ class SamplingParams:
             raise ValidationError(
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}",
                 "stop_token_ids")
-        for token_id in self.stop_token_ids:
-            _check_token_id("stop_token_ids", token_id, None)
+        _check_token_ids("stop_token_ids", self.stop_token_ids, None)
         _check_type("n", self.n, int)
         _check_range("n", self.n, 1, MAX_N)
         for name in ("logprobs", "prompt_logprobs"):
@@ -134,10 +133,8 @@ def check_vocab_bounds(vocab_size: int, top_k: object, stop_token_ids: Iterable[
     """The checks that need the model's vocabulary (a decoder does not know it): top_k at most
     the vocabulary, every token id inside it."""
     check_top_k(top_k, vocab_size)
-    for token_id in stop_token_ids:
-        _check_token_id("stop_token_ids", token_id, vocab_size)
-    for token_id in logit_bias_token_ids:
-        _check_token_id("logit_bias", token_id, vocab_size)
+    _check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
+    _check_token_ids("logit_bias", logit_bias_token_ids, vocab_size)
     _check_token_ids("allowed_token_ids", allowed_token_ids, vocab_size)
     for token_ids in bad_words_token_ids:
         _check_token_ids("bad_words", token_ids, vocab_size)

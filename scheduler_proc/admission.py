@@ -10,6 +10,7 @@ from proto.messages import (ERROR_INVALID_REQUEST, ERROR_NONE, ERROR_QUEUE_FULL,
                             AddRequest)
 from scheduler_proc.block_manager import blocks_for_tokens
 from scheduler_proc.request import max_num_kv_tokens
+from scheduler_proc.stop import stop_token_set
 
 
 def rejection_reason(message: AddRequest, config: EngineConfig, num_kv_blocks: int,
@@ -81,8 +82,7 @@ def _empty_allowed_set_reason(message: AddRequest, config: EngineConfig) -> str:
     allowed = set(params.allowed_token_ids) - {t[0] for t in params.bad_words_token_ids if len(t) == 1}
     if not allowed:
         return "every one of allowed_token_ids is also one of bad_words: no token is left to sample"
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(config.eos_token_ids))
-    if params.min_tokens and allowed <= stops:
+    if params.min_tokens and allowed <= stop_token_set(params, config.eos_token_ids):
         return (f"allowed_token_ids holds only stop tokens, which min_tokens {params.min_tokens} forbids "
                 f"at first: no token is left to sample")
     return ""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from scheduler_proc.token_set import bitmask_words
+from scheduler_proc.token_set import allows, bitmask_words, clear
 
 
 class BadWords:
@@ -27,7 +27,7 @@ class BadWords:
         self._always = np.full(bitmask_words(vocab_size), -1, dtype=np.int32)  # int32 [words]: one-token words cleared
         for token_ids in sequences:
             if len(token_ids) == 1:
-                _clear(self._always, token_ids[0])
+                clear(self._always, token_ids[0])
         # Multi-token words by the last token of their prefix: a step looks only at those that the
         # latest output token could continue.
         self._longer: dict[int, list[tuple[tuple[int, ...], int]]] = {}
@@ -49,7 +49,7 @@ class BadWords:
                 if len(prefix) <= len(recent) and tuple(recent[len(recent) - len(prefix):]) == prefix]
 
     def accept(self, token_id: int) -> None:
-        if not self.error and (not _is_set(self._always, token_id) or token_id in self.banned_next()):
+        if not self.error and (not allows(self._always, token_id) or token_id in self.banned_next()):
             self.error = f"token {token_id} completes one of bad_words"
         if self._window:
             self._recent.append(token_id)
@@ -62,13 +62,4 @@ class BadWords:
         """Write the allowed tokens into `row`, int32 [words]."""
         row[:] = self._always
         for token_id in self.banned_next():
-            _clear(row, token_id)
-
-
-def _clear(row: np.ndarray, token_id: int) -> None:
-    words = row.view(np.uint32)
-    words[token_id >> 5] &= np.uint32(~(1 << (token_id & 31)) & 0xFFFFFFFF)
-
-
-def _is_set(row: np.ndarray, token_id: int) -> bool:
-    return 0 <= token_id < len(row) * 32 and bool((int(row.view(np.uint32)[token_id >> 5]) >> (token_id & 31)) & 1)
+            clear(row, token_id)

@@ -20,8 +20,7 @@ from proto.messages import AddRequest
 from scheduler_proc.request import Request
 
 if TYPE_CHECKING:
-    from scheduler_proc.grammar import SequenceGrammar
-    from scheduler_proc.token_set import TokenSet
+    from scheduler_proc.token_set import Constraint
 
 
 def choice_seed(seed: int, choice_index: int) -> int:
@@ -35,12 +34,13 @@ def choice_seed(seed: int, choice_index: int) -> int:
 
 
 def make_choices(message: AddRequest, seed: int, config: EngineConfig,
-                 grammars: Sequence[SequenceGrammar | TokenSet] = ()) -> list[Request]:
+                 grammars: Sequence[Constraint] = ()) -> list[Request]:
     """The leader (WAITING) and its siblings (HELD, listed in the leader's held_siblings): choice 0
     and the others, or for a resubmission (AddRequest.resume) only the unfinished choices, the
     lowest one leading, each restored with the output tokens the frontend already has. With
     `grammars` (a constrained request), choice i owns matcher grammars[i] (Constraints.start
-    replayed it over a resubmission's restored tokens) or TokenSet grammars[i]."""
+    replayed it over a resubmission's restored tokens), or the constraint grammars[i] of
+    Constraints.for_request."""
     params, resume = message.sampling_params, message.resume
 
     def choice(index: int, leader: Request | None) -> Request:

@@ -11,7 +11,7 @@ a second for the first constrained request of a scheduler's life.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from proto.config import EngineConfig
 from proto.grammar import GrammarSpec
 from proto.messages import AddRequest, GrammarMasks, ResumedOutputs
 from scheduler_proc.bad_words import BadWords
-from scheduler_proc.token_set import AllOf, TokenSet, allowed_row, bitmask_words
+from scheduler_proc.token_set import AllOf, Constraint, TokenSet, allowed_row, bitmask_words
 
 if TYPE_CHECKING:
     from scheduler_proc.grammar import GrammarTable, SequenceGrammar
@@ -61,12 +61,12 @@ class Constraints:
                 return [], f"choice {index}'s resumed output tokens do not match its grammar: {exc}"
         return grammars, ""
 
-    def for_request(self, message: AddRequest) -> tuple[list[Any], str]:
+    def for_request(self, message: AddRequest) -> tuple[list[Constraint], str]:
         """(each choice's constraint, "") or ([], why the request must end in error): its grammar's
         matcher (start), its allowed_token_ids (a TokenSet, one row shared by the choices), its
         bad_words (BadWords, replayed over a resubmission's tokens), or AllOf of those it has."""
         params, resumed = message.sampling_params, message.resume
-        parts: list[list[Any]] = [[] for _ in range(params.n)]
+        parts: list[list[Constraint]] = [[] for _ in range(params.n)]
         if message.grammar is not None:
             grammars, reason = self.start(message.grammar, params.n, resumed)
             if reason:

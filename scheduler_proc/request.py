@@ -18,8 +18,7 @@ from scheduler_proc.int32_array import Int32Array
 from scheduler_proc.stop import logit_biases, stop_token_set
 
 if TYPE_CHECKING:
-    from scheduler_proc.grammar import SequenceGrammar
-    from scheduler_proc.token_set import TokenSet
+    from scheduler_proc.token_set import Constraint
 
 _NO_BLOCKS = np.empty(0, dtype=np.int32)  # int32 [0]: the table of a sequence that holds no block
 _NO_BLOCKS.flags.writeable = False
@@ -65,7 +64,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: np.ndarray, sampling_params: SamplingParams, *,
                  seed: int, eos_token_ids: tuple[int, ...] = (), max_model_len: int = 0,
                  choice_index: int = 0, leader: Request | None = None,
-                 grammar: SequenceGrammar | TokenSet | None = None) -> None:
+                 grammar: Constraint | None = None) -> None:
         num_prompt_tokens = len(prompt_token_ids)
         self.request_id = request_id
         self.choice_index = choice_index
@@ -104,10 +103,11 @@ class Request:
         self.next_prompt_logprob_position = 1  # prompt positions below this were forwarded
         # Structured output: this sequence's own matcher, advanced by every token it accepts (so
         # preemption, recompute and worker recovery leave it as it is), or its allowed_token_ids
-        # (a TokenSet, the same interface with a constant mask); its `error`, once set,
-        # ends the sequence with "error" (stop.stop_reason). Keep this class at 30 attributes or
-        # fewer: CPython 3.11 stops sharing instance-dict keys beyond 30, and every attribute read
-        # on the hot path gets slower (measured: +20% on a 256-sequence step at 31).
+        # (TokenSet), bad_words (BadWords) or several at once (AllOf): scheduler_proc/token_set.py's
+        # Constraint; its `error`, once set, ends the sequence with "error" (stop.stop_reason).
+        # Keep this class at 30 attributes or fewer: CPython 3.11 stops sharing instance-dict keys
+        # beyond 30, and every attribute read on the hot path gets slower (measured: +20% on a
+        # 256-sequence step at 31).
         self.grammar = grammar
         # Steps that failed (a worker raised) with this sequence in the batch, positive while it
         # owes a solo step (one that samples its next token with no other member: solo_owed),

@@ -11,9 +11,25 @@ scheduler_proc/grammar.py and worker_proc/grammar_mask.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+
+
+class Constraint(Protocol):
+    """What Request.grammar holds (a grammar's matcher, TokenSet, BadWords or AllOf)."""
+
+    @property
+    def error(self) -> str: ...  # set once a token breaks it (or a row could not be computed)
+
+    @property
+    def is_finished(self) -> bool: ...  # nothing but the end may follow
+
+    def accept(self, token_id: int) -> None: ...
+
+    def fail(self, error_message: str) -> None: ...
+
+    def fill_row(self, row: np.ndarray) -> None: ...  # int32 [words], C-contiguous
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -30,6 +46,17 @@ def allowed_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return row
 
 
+def allows(row: np.ndarray, token_id: int) -> bool:
+    """Whether `row` (int32 [words]) has token_id's bit set."""
+    return 0 <= token_id < len(row) * 32 and bool((int(row.view(np.uint32)[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+def clear(row: np.ndarray, token_id: int) -> None:
+    """Clear token_id's bit in `row` (int32 [words]), in place."""
+    words = row.view(np.uint32)
+    words[token_id >> 5] &= np.uint32(~(1 << (token_id & 31)) & 0xFFFFFFFF)
+
+
 class TokenSet:
     """One sequence's constant set of allowed tokens (the row is shared by the request's choices).
 
@@ -43,7 +70,7 @@ class TokenSet:
         self.error = ""
 
     def allows(self, token_id: int) -> bool:
-        return 0 <= token_id < len(self._row) * 32 and bool((int(self._row[token_id >> 5]) >> (token_id & 31)) & 1)
+        return allows(self._row, token_id)
 
     def accept(self, token_id: int) -> None:
         if not self.error and not self.allows(token_id):
@@ -61,7 +88,7 @@ class AllOf:
     """Several constraints of one sequence: a token is allowed where every one allows it (rows
     ANDed); it finishes when any part does (a grammar that can only end), fails when any fails."""
 
-    def __init__(self, parts: Sequence[Any]) -> None:
+    def __init__(self, parts: Sequence[Constraint]) -> None:
         self._parts = list(parts)
 
     @property
