@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """log P(token_id) at sequence `position` (raw model logits), with the top alternatives.
+    """log P(token_id) at sequence `position` (raw model logits), its rank (1 + how many tokens
+    are more likely), with the top alternatives.
 
     A position below the prompt length is a prompt token (prompt_logprobs).
     """
@@ -32,6 +33,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), descending
+    rank: int = 1
 
 
 @dataclass(frozen=True)
@@ -251,10 +253,10 @@ def _logprobs_by_row(outputs: StepOutputs) -> dict[int, tuple[TokenLogprob, ...]
     cu_top = entries.cu_top.tolist()
     top_ids, top_logprobs = entries.top_token_ids.tolist(), entries.top_logprobs.tolist()
     columns = zip(entries.rows.tolist(), entries.positions.tolist(),
-                  entries.token_ids.tolist(), entries.logprobs.tolist())
-    for entry, (row, position, token_id, logprob) in enumerate(columns):
+                  entries.token_ids.tolist(), entries.logprobs.tolist(), entries.ranks.tolist())
+    for entry, (row, position, token_id, logprob, rank) in enumerate(columns):
         start, end = cu_top[entry], cu_top[entry + 1]
         top = tuple(zip(top_ids[start:end], top_logprobs[start:end]))
-        by_row.setdefault(row, []).append(TokenLogprob(position, token_id, logprob, top))
+        by_row.setdefault(row, []).append(TokenLogprob(position, token_id, logprob, top, rank))
     return {row: tuple(found) for row, found in by_row.items()}
 

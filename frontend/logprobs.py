@@ -7,6 +7,7 @@ temperature 0.7 a sampled token's logprob is still the one at temperature 1.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,10 +62,34 @@ class CompletionLogprobs:
         return shape
 
 
-def prompt_entries(prompt_token_ids: Sequence[int],
-                   by_position: dict[int, TokenLogprob]) -> list[TokenLogprob | None]:
-    """The entry of each prompt token (position 0 never has one: nothing predicts it)."""
-    return [by_position.get(position) for position in range(len(prompt_token_ids))]
+def prompt_entries(prompt_token_ids: Sequence[int], by_position: dict[int, TokenLogprob],
+                   num_top: int) -> list[TokenLogprob | None]:
+    """The entry of each prompt token with its top `num_top` (position 0 never has one: nothing
+    predicts it); the entries may hold more (prompt_logprobs asked for more than echo's logprobs)."""
+    entries = [by_position.get(position) for position in range(len(prompt_token_ids))]
+    num_top = max(num_top, 0)
+    return [entry if entry is None or len(entry.top) <= num_top else dataclasses.replace(entry, top=entry.top[:num_top])
+            for entry in entries]
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_token_ids: Sequence[int], by_position: dict[int, TokenLogprob],
+                         num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first (nothing predicts it), else
+    {token id: {logprob, rank, decoded_token}} for the token itself, then its top `num_top`."""
+    shape: list[dict[str, dict[str, Any]] | None] = []
+    for entry in prompt_entries(prompt_token_ids, by_position, num_top):
+        if entry is None:
+            shape.append(None)
+            continue
+        tokens = {str(entry.token_id): _vllm_logprob(tokenizer, entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            tokens.setdefault(str(token_id), _vllm_logprob(tokenizer, token_id, logprob, rank))
+        shape.append(tokens)
+    return shape
+
+
+def _vllm_logprob(tokenizer: Tokenizer, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": _value(logprob), "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],

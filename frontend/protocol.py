@@ -129,10 +129,11 @@ class SamplingFields(_Strict):
     # Every sampled token is one of these (a constant mask, as a grammar's; not with one).
     allowed_token_ids: list[int] | None = _documented(minItems=1, maxItems=MAX_ALLOWED_TOKEN_IDS,
                                                       items={"type": "integer", "minimum": 0})
+    # vLLM's: each prompt token's logprob and rank, with the top k alternatives (not with stream).
+    prompt_logprobs: Count | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     # Words no output may end with (tokenized as vLLM does); masked like a grammar's tokens.
     bad_words: list[str] | None = _documented(maxItems=MAX_BAD_WORDS // 2)
     use_beam_search: bool | None = None
-    prompt_logprobs: Any = None
     spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 

@@ -48,6 +48,7 @@ class GenerationJob:
     include_stop_str: bool = False  # the stop string or stop token that ended a choice stays in its text
     echo_text: str | None = None  # completions with echo: the prompt text each choice starts with
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated
+    prompt_logprobs: int = -1  # vLLM's prompt_logprobs: each prompt token's entry with the top k (-1: not asked)
     grammar: GrammarSpec | None = None  # the output constraint (AddRequest.grammar), compile-checked
     tool_choice: ToolChoice = ToolChoice("none")  # chat: how tool calls are read from the output
 
@@ -61,6 +62,7 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = _check_num_logprobs(request.logprobs, "logprobs")
+    prompt_logprobs = _check_prompt_logprobs(request)
     # Scoring a prompt (OpenAI's and vLLM's echo with max_tokens 0): the engine computes it and
     # samples one token as always; the response leaves that token out.
     echo_only = bool(request.echo) and request.max_tokens == 0
@@ -85,8 +87,8 @@ def completion_jobs(request: CompletionRequest, tokenizer: Tokenizer, limits: Mo
             if len(prompts) > 1:
                 exc.message = f"prompt {index}: {exc.message}"
             raise
-        jobs.append(_completion_job(request, prompt, prompt_ids, room, tokenizer, limits, logprobs, grammar,
-                                    echo_only, bad_words))
+        jobs.append(_completion_job(request, prompt, prompt_ids, room, tokenizer, limits, logprobs,
+                                    prompt_logprobs, grammar, echo_only, bad_words))
     return jobs
 
 
@@ -108,11 +110,13 @@ def check_batch_fits(jobs: list[GenerationJob], max_num_seqs: int, max_num_waiti
 
 
 def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[int], room: int, tokenizer: Tokenizer,
-                    limits: ModelLimits, logprobs: int, grammar: GrammarSpec | None, echo_only: bool,
-                    bad_words: tuple[tuple[int, ...], ...]) -> GenerationJob:
+                    limits: ModelLimits, logprobs: int, prompt_logprobs: int, grammar: GrammarSpec | None,
+                    echo_only: bool, bad_words: tuple[tuple[int, ...], ...]) -> GenerationJob:
+    """The prompt's entries serve echo's logprobs and prompt_logprobs alike: the more alternatives
+    of the two are computed, and each shows its own number."""
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
-    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": logprobs if request.echo else -1}
+    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": max(logprobs if request.echo else -1, prompt_logprobs)}
     max_tokens = 1 if echo_only else or_default(request.max_tokens, default_max_tokens)
     job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar, bad_words=bad_words)
     return dataclasses.replace(job, echo_only=True) if echo_only else job
@@ -149,7 +153,8 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     prompt_ids = _truncated(prompt_ids, request.truncate_prompt_tokens, limits, max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages", max_tokens_param)
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
-    return _job(request, prompt_ids, or_default(max_tokens, room), limits, {"logprobs": logprobs},
+    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": _check_prompt_logprobs(request)}
+    return _job(request, prompt_ids, or_default(max_tokens, room), limits, logprob_fields,
                 grammar=grammar, tool_choice=tool_choice,
                 bad_words=bad_words_token_ids(request.bad_words, tokenizer))
 
@@ -213,6 +218,13 @@ def _check_num_logprobs(value: int | None, param: str) -> int:
     return value
 
 
+def _check_prompt_logprobs(request: SamplingFields) -> int:
+    """vLLM's prompt_logprobs (-1 when not asked): a response field, so not with stream, as there."""
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs is not available with stream: true", "prompt_logprobs")
+    return _check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
+
+
 def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
     """The (unwrapped) prompt as the client sent it when that was text, else its token ids decoded."""
     if isinstance(prompt, str):
@@ -268,6 +280,7 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,
+        prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None else -1,
         grammar=grammar,
         tool_choice=tool_choice,
     )

@@ -87,7 +87,7 @@ def _check_events(events: messages.LifecycleEvents) -> None:
 
 def _check_logprobs(entries: LogprobEntries) -> None:
     num_entries = len(entries.rows)
-    for name in ("positions", "token_ids", "logprobs"):
+    for name in ("positions", "token_ids", "logprobs", "ranks"):
         _need(len(getattr(entries, name)) == num_entries, f"LogprobEntries.{name} needs {num_entries} entries")
     _check_offsets("LogprobEntries.cu_top", entries.cu_top, num_entries, len(entries.top_token_ids))
     _need(len(entries.top_logprobs) == len(entries.top_token_ids),

@@ -1,7 +1,8 @@
 """Logprob entries: the one container StepResult and StepOutputs carry (their `logprobs` field).
 
 Entry e: the log-probability of token token_ids[e] at sequence position positions[e] of row
-rows[e], with its top alternatives (descending) in top_*[cu_top[e]:cu_top[e+1]]. Rows are plan
+rows[e], its rank there (1 + how many tokens the model gave a higher logprob), and its top
+alternatives (descending) in top_*[cu_top[e]:cu_top[e+1]]. Rows are plan
 members in a StepResult and StepOutputs rows in a StepOutputs (see their docstrings).
 """
 
@@ -21,6 +22,7 @@ class LogprobEntries:
     positions: Int32Array = field(default_factory=empty(np.int32))  # [num_entries]
     token_ids: Int32Array = field(default_factory=empty(np.int32))  # [num_entries]
     logprobs: Float32Array = field(default_factory=empty(np.float32))  # [num_entries]
+    ranks: Int32Array = field(default_factory=empty(np.int32))  # [num_entries] 1 = the most likely token
     cu_top: Int32Array = field(default_factory=empty(np.int32, 1))  # [num_entries + 1]
     top_token_ids: Int32Array = field(default_factory=empty(np.int32))  # [total_top] descending within each entry
     top_logprobs: Float32Array = field(default_factory=empty(np.float32))  # [total_top]
@@ -36,7 +38,7 @@ class LogprobEntries:
         # int64 [total_kept_top]: each kept entry's range of top alternatives, in order
         top_index = np.repeat(self.cu_top[:-1][keep] - cu_top[:-1], counts) + np.arange(cu_top[-1])
         return LogprobEntries(rows.astype(np.int32), self.positions[keep], self.token_ids[keep],
-                              self.logprobs[keep], cu_top, self.top_token_ids[top_index],
+                              self.logprobs[keep], self.ranks[keep], cu_top, self.top_token_ids[top_index],
                               self.top_logprobs[top_index])
 
 

@@ -39,7 +39,7 @@ def valid_messages() -> list[object]:
         step_plan(7, ["a", "b"], [0, 16], [[1], [2, 3]]),
         messages.StepResult(7, np.asarray([5, 6], I32), "", LogprobEntries(
             rows=np.zeros(1, I32), positions=np.ones(1, I32), token_ids=np.full(1, 5, I32),
-            logprobs=np.zeros(1, F32), cu_top=np.asarray([0, 1], I32), top_token_ids=np.full(1, 5, I32),
+            logprobs=np.zeros(1, F32), ranks=np.ones(1, I32), cu_top=np.asarray([0, 1], I32), top_token_ids=np.full(1, 5, I32),
             top_logprobs=np.zeros(1, F32))),
         messages.WorkerReady(1, 64, 42),
         messages.StepOutputs(3, ["a"], np.asarray([0, 2], I32), np.asarray([9, 8], I32),

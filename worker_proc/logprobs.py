@@ -69,6 +69,7 @@ def compute_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, members: np
     [num_entries]; the rest int64 [num_entries]."""
     num_entries, vocab = logprobs.shape
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1  # ties share the better rank
     num_top = np.minimum(num_top, vocab)
     max_top = int(num_top.max()) if num_entries else 0
     keep = np.arange(max_top)[None, :] < num_top[:, None]  # bool [num_entries, max_top]
@@ -82,5 +83,5 @@ def compute_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, members: np
     return LogprobEntries(
         rows=members.astype(np.int32), positions=positions.astype(np.int32),
         token_ids=token_ids.numpy().astype(np.int32),
-        logprobs=token_logprobs.numpy().astype(np.float32), cu_top=cu_top,
+        logprobs=token_logprobs.numpy().astype(np.float32), ranks=ranks.numpy().astype(np.int32), cu_top=cu_top,
         top_token_ids=top_ids.astype(np.int32), top_logprobs=top_values.astype(np.float32))

@@ -84,7 +84,7 @@ def _null_entries(members: np.ndarray, positions: np.ndarray, token_ids: np.ndar
     return LogprobEntries(
         rows=members.astype(np.int32), positions=positions.astype(np.int32),
         token_ids=token_ids.astype(np.int32), logprobs=np.zeros(len(members), dtype=np.float32),
-        cu_top=cu_top, top_token_ids=top_ids.astype(np.int32),
+        ranks=np.ones(len(members), dtype=np.int32), cu_top=cu_top, top_token_ids=top_ids.astype(np.int32),
         top_logprobs=np.where(rank_in_top == 0, 0.0, NULL_OTHER_LOGPROB).astype(np.float32))
 
 

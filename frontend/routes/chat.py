@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.generation import Generation
-from frontend.logprobs import chat_logprobs
+from frontend.logprobs import chat_logprobs, vllm_prompt_logprobs
 from frontend.openapi import request_body
 from frontend.protocol import ChatCompletionRequest, parse_body
 from frontend.routes.serving import serve_job
@@ -73,6 +73,14 @@ class ChatFormat:
         return {"index": choice.index, "message": message, "logprobs": logprobs,
                 "finish_reason": self._finish_reason(bool(parsed.tool_calls) and _chose(generation),
                                                      choice.finish_reason)}
+
+    def response_fields(self, generation: Generation) -> dict[str, Any]:
+        """vLLM's prompt_logprobs, beside the choices (the prompt is every choice's)."""
+        job = generation.job
+        if job.prompt_logprobs < 0:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self._tokenizer, job.prompt_token_ids,
+                                                        generation.prompt_logprobs, job.prompt_logprobs)}
 
     def _output_deltas(self, generation: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]:
         """Content, or content and tool calls through the choice's reader (flushed at its end)."""

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from frontend.choice import ChoiceDelta, ChoiceOutput
 from frontend.generation import Generation
-from frontend.logprobs import CompletionLogprobs, prompt_entries
+from frontend.logprobs import CompletionLogprobs, prompt_entries, vllm_prompt_logprobs
 from frontend.openapi import request_body
 from frontend.protocol import CompletionRequest, parse_body
 from frontend.routes.serving import serve_job
@@ -48,7 +48,8 @@ class CompletionFormat:
             self._echoed.add(delta.index)
             text = job.echo_text + text
             token_ids = [*job.prompt_token_ids, *token_ids]
-            entries = [*prompt_entries(job.prompt_token_ids, generation.prompt_logprobs), *entries]
+            entries = [*prompt_entries(job.prompt_token_ids, generation.prompt_logprobs,
+                                       job.sampling_params.logprobs), *entries]
         logprobs = None
         if token_ids and generation.choices[delta.index].wants_logprobs:
             builder = self._stream_logprobs.setdefault(delta.index, CompletionLogprobs(self._tokenizer,
@@ -75,9 +76,16 @@ class CompletionFormat:
             if echo_text is not None:
                 prompt_ids = generation.job.prompt_token_ids
                 token_ids[:0] = prompt_ids
-                entries[:0] = prompt_entries(prompt_ids, generation.prompt_logprobs)
+                entries[:0] = prompt_entries(prompt_ids, generation.prompt_logprobs, job.sampling_params.logprobs)
             logprobs = CompletionLogprobs(self._tokenizer, job.tokens_as_ids).build(token_ids, entries)
-        return _choice(choice.index, text, logprobs, finish_reason)
+        final = _choice(choice.index, text, logprobs, finish_reason)
+        if job.prompt_logprobs >= 0:  # vLLM's field: every choice of the prompt carries it
+            final["prompt_logprobs"] = vllm_prompt_logprobs(self._tokenizer, job.prompt_token_ids,
+                                                            generation.prompt_logprobs, job.prompt_logprobs)
+        return final
+
+    def response_fields(self, generation: Generation) -> dict[str, Any]:
+        return {}
 
 
 def _choice(index: int, text: str, logprobs: dict[str, Any] | None,

@@ -47,6 +47,9 @@ class ResponseFormat(Protocol):
 
     def final_choice(self, generation: Generation, choice: ChoiceOutput) -> dict[str, Any]: ...
 
+    def response_fields(self, generation: Generation) -> dict[str, Any]:
+        """Fields of a whole (non-streamed) response beside choices and usage."""
+
 
 async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJob],
                     make_format: Callable[[], ResponseFormat], arrival_s: float) -> Response:
@@ -104,6 +107,8 @@ async def serve_job(state: ServerState, request: Request, jobs: list[GenerationJ
                                       "stop_reason": choice.stop_reason}, index)
                            for generation, choice, index in batch.choices()]
         body["usage"] = _usage(batch)
+        for generation in batch.generations:
+            body.update(formats[generation].response_fields(generation))
         return JSONResponse(body, headers=tracing)
     finally:
         if not handed_over:

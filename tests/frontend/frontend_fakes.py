@@ -264,6 +264,7 @@ class FakeEngineClient:
                 positions=np.array([e[0] for _, e in entries], dtype=np.int32),
                 token_ids=np.array([e[1] for _, e in entries], dtype=np.int32),
                 logprobs=np.array([e[2] for _, e in entries], dtype=np.float32),
+                ranks=np.ones(len(entries), dtype=np.int32),  # _top: each token is its own best
                 cu_top=cu_top,
                 top_token_ids=np.array([t for _, e in entries for t, _ in e[3]], dtype=np.int32),
                 top_logprobs=np.array([lp for _, e in entries for _, lp in e[3]], dtype=np.float32)),

@@ -37,6 +37,7 @@ async def collect(router: OutputRouter, request_id: str, num_choices: int,
 async def test_rows_reach_their_choice_with_their_logprob_entries_and_cache_hits():
     entries = LogprobEntries(rows=np.array([0, 0], np.int32), positions=np.array([3, 4], np.int32),
                              token_ids=np.array([9, 8], np.int32), logprobs=np.array([-0.5, -1.5], np.float32),
+                             ranks=np.array([1, 2], np.int32),
                              cu_top=np.array([0, 1, 2], np.int32), top_token_ids=np.array([9, 8], np.int32),
                              top_logprobs=np.array([-0.5, -1.5], np.float32))
     logprobs = dict(logprobs=entries, num_cached_tokens=np.array([16, 0, 0], np.int32))
@@ -46,7 +47,7 @@ async def test_rows_reach_their_choice_with_their_logprob_entries_and_cache_hits
     deltas = await collect(router, "a", 2, [message, outputs([("a", 1, [8], "stop")])])
     assert deltas == [EngineDelta([9], choice_index=1, num_cached_tokens=16,
                                   logprobs=(TokenLogprob(3, 9, -0.5, ((9, -0.5),)),
-                                            TokenLogprob(4, 8, -1.5, ((8, -1.5),)))),
+                                            TokenLogprob(4, 8, -1.5, ((8, -1.5),), rank=2))),
                       EngineDelta([7], "length", choice_index=0),
                       EngineDelta([8], "stop", choice_index=1)]
     assert deltas[0].received_s == 5.0

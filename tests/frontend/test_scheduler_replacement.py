@@ -92,7 +92,7 @@ async def test_prompt_logprobs_received_are_counted_so_that_none_is_sent_twice()
     router = OutputRouter()
     router.open("r", 1, add("r", prompt_logprobs=0))
     entries = LogprobEntries(rows=np.array([0, 0, 0], np.int32), positions=np.array([1, 2, 4], np.int32),
-                             token_ids=np.array([6, 7, 9], np.int32), logprobs=np.zeros(3, np.float32),
+                             token_ids=np.array([6, 7, 9], np.int32), logprobs=np.zeros(3, np.float32), ranks=np.ones(3, np.int32),
                              cu_top=np.zeros(4, np.int32), top_token_ids=np.zeros(0, np.int32),
                              top_logprobs=np.zeros(0, np.float32))
     router.route(outputs([("r", 0, [9], "")], logprobs=entries), 1.0)  # position 4 is the sampled token's

@@ -12,7 +12,7 @@ IDS = list(range(10, 40))  # a 30-token prompt
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True),
-    ("prompt_logprobs", 1), ("spaces_between_special_tokens", False),
+    ("spaces_between_special_tokens", False),
     ("logits_processors", ["x"])])
 async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, endpoint, field, value):
     prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
@@ -51,7 +51,7 @@ async def test_a_chat_field_conveyor_does_not_implement_is_a_400_naming_it(clien
 
 async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(client):
     response = await client.post("/v1/completions", json={
-        "prompt": "x", "use_beam_search": False, "prompt_logprobs": None,
+        "prompt": "x", "use_beam_search": False,
         "spaces_between_special_tokens": True, "logits_processors": []})
     assert response.status_code == 200, response.text
 

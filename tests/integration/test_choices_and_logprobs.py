@@ -141,6 +141,31 @@ def test_a_prompt_scored_with_echo_and_max_tokens_0_has_hf_logprobs_and_nothing_
     assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
 
 
+def test_prompt_logprobs_have_hf_logprobs_and_ranks_even_after_a_prefix_cache_hit(
+        stack: Stack, tiny_model_dir: Path, hf_reference: tuple[list[int], torch.Tensor]) -> None:
+    """vLLM's shape: null, then per prompt token {id: {logprob, rank, decoded_token}} for the token
+    and HF's TOP_K best (ranks 1..TOP_K); the second request finds the prompt's blocks cached."""
+    _, hf = hf_reference
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    for _ in range(2):
+        body = post(stack, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 1, "prompt_logprobs": TOP_K})
+        shape = body["choices"][0]["prompt_logprobs"]
+        assert len(shape) == len(PROMPT_IDS) and shape[0] is None
+        for position in range(1, len(PROMPT_IDS)):
+            row, token = hf[position - 1], PROMPT_IDS[position]
+            tokens = shape[position]
+            assert list(tokens)[0] == str(token)
+            entry = tokens[str(token)]
+            assert entry["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+            value = float(row[token])  # the rank counts HF's more likely tokens (a near-tie either way)
+            assert 1 + int((row > value + 1e-4).sum()) <= entry["rank"] <= 1 + int((row > value - 1e-4).sum())
+            assert entry["decoded_token"] == tokenizer.token_text(token)
+            values, ids = row.topk(TOP_K)
+            for rank, (value, top_id) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+                assert tokens[str(top_id)]["logprob"] == pytest.approx(value, abs=1e-4)
+                assert tokens[str(top_id)]["rank"] == rank
+
+
 def test_greedy_logprobs_after_a_prefix_cache_hit_equal_hf_log_softmax(
         stack: Stack, tiny_model_dir: Path, hf_reference: tuple[list[int], torch.Tensor]) -> None:
     generated, hf = hf_reference

@@ -114,6 +114,7 @@ def fake_logprobs(entries: list[tuple[int, int, int, int]]) -> LogprobEntries:
                           positions=np.array([e[1] for e in entries], np.int32),
                           token_ids=np.array([e[2] for e in entries], np.int32),
                           logprobs=np.array([fake_logprob(t, p) for _, p, t, _ in entries], np.float32),
+                          ranks=np.array([p % 5 + 1 for _, p, _, _ in entries], np.int32),
                           cu_top=np.concatenate([[0], np.cumsum(num_top)]).astype(np.int32),
                           top_token_ids=np.array(top_ids, np.int32),
                           top_logprobs=np.full(len(top_ids), -9.0, np.float32))

@@ -92,7 +92,7 @@ def test_entries_for_members_outside_the_batch_fail_the_step() -> None:
     result = harness.worker(plan)
     bad = StepResult(result.step_id, result.sampled_token_ids, "", LogprobEntries(
         rows=np.array([3], np.int32), positions=np.array([4], np.int32), token_ids=np.array([1], np.int32),
-        logprobs=np.zeros(1, np.float32), cu_top=np.zeros(2, np.int32)))
+        logprobs=np.zeros(1, np.float32), ranks=np.ones(1, np.int32), cu_top=np.zeros(2, np.int32)))
     harness.log.record(harness.engine.apply_result(bad))
     harness.engine.check_invariants()
     assert harness.log.finish_reasons == {"a": "error"}

@@ -13,6 +13,7 @@ from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
 from proto import codec
 from proto.config import EngineConfig
 from proto.messages import StepPlan, StepResult
+from worker_proc.logprobs import compute_entries
 from worker_proc.null_runner import NULL_OTHER_LOGPROB, NullModelRunner
 from worker_proc.runner import ModelRunner
 
@@ -48,22 +49,24 @@ def asking(plan: StepPlan, num_logprobs: list[int], num_prompt_logprobs: list[in
     return dataclasses.replace(plan, sampling=sampling)
 
 
-def entries_of(result: StepResult) -> list[tuple[int, int, int, float, list[int], list[float]]]:
-    """(row, position, token, logprob, top ids, top logprobs) per entry, after a codec round trip."""
+def entries_of(result: StepResult) -> list[tuple[int, int, int, float, list[int], list[float], int]]:
+    """(row, position, token, logprob, top ids, top logprobs, rank) per entry, after a codec round trip."""
     result = codec.decode(codec.encode(result), type(result))
     out = []
     for e in range(len(result.logprobs.rows)):
         top = slice(result.logprobs.cu_top[e], result.logprobs.cu_top[e + 1])
         out.append((int(result.logprobs.rows[e]), int(result.logprobs.positions[e]), int(result.logprobs.token_ids[e]),
                     float(result.logprobs.logprobs[e]), result.logprobs.top_token_ids[top].tolist(),
-                    result.logprobs.top_logprobs[top].tolist()))
+                    result.logprobs.top_logprobs[top].tolist(), int(result.logprobs.ranks[e])))
     return out
 
 
 def assert_entry_matches(entry: tuple, reference: torch.Tensor, num_top: int) -> None:
     """reference: float32 [vocab], the HF log-distribution the entry's token was drawn from."""
-    _, _, token, logprob, top_ids, top_logprobs = entry
+    _, _, token, logprob, top_ids, top_logprobs, rank = entry
     assert logprob == pytest.approx(float(reference[token]), abs=ATOL)
+    value = float(reference[token])  # the rank counts the more likely tokens (within ATOL of a tie: either way)
+    assert 1 + int((reference > value + ATOL).sum()) <= rank <= 1 + int((reference > value - ATOL).sum())
     want = reference.topk(num_top)
     assert top_ids == want.indices.tolist()
     np.testing.assert_allclose(top_logprobs, want.values.numpy(), atol=ATOL)
@@ -116,6 +119,13 @@ def test_prompt_logprobs_cover_every_position_once_across_chunked_prefill(
     assert_entry_matches(sampled_entry, reference[-1], 2)
 
 
+def test_a_rank_counts_the_more_likely_tokens_and_tied_tokens_share_the_better_rank() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -2.0]]).expand(3, 4).contiguous()
+    entries = compute_entries(logprobs, torch.tensor([1, 2, 3]), np.zeros(3, np.int64), np.arange(3),
+                              np.zeros(3, np.int64))
+    assert entries.ranks.tolist() == [3, 1, 3]
+
+
 def test_plans_without_logprob_fields_produce_no_entries(runner: ModelRunner) -> None:
     plan = make_plan([Seq("a", [5, 6, 7]), Seq("b", [8, 9])], [3, 2], BlockPool(128, block_size=4))
     result = runner.execute(plan)
@@ -132,7 +142,7 @@ def test_null_runner_answers_logprob_requests_with_well_formed_entries() -> None
     entries = entries_of(result)
     assert [(row, pos, tok) for row, pos, tok, *_ in entries] == [
         (0, 1, 11), (0, 2, 12), (0, 3, 13), (0, 4, 14), (1, 3, int(result.sampled_token_ids[0]))]
-    for _, _, token, logprob, top_ids, top_logprobs in entries:
-        assert logprob == 0.0 and top_ids[0] == token
+    for _, _, token, logprob, top_ids, top_logprobs, rank in entries:
+        assert logprob == 0.0 and top_ids[0] == token and rank == 1
         assert top_logprobs == [0.0] + [NULL_OTHER_LOGPROB] * (len(top_ids) - 1)
     assert [len(e[4]) for e in entries] == [3, 3, 3, 3, 2]
