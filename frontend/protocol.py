@@ -120,6 +120,9 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS,
                                                    items={"type": "integer", "minimum": 0})
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output text
+    # Taken, changing nothing: the fast tokenizer's decode (the only kind conveyor loads) joins
+    # adjacent special tokens without spaces for the Llama family, as vLLM's fast path does.
+    spaces_between_special_tokens: bool | None = None
     # logprobs name each token "token_id:N" instead of its text (for tokens that are not valid UTF-8 alone)
     return_tokens_as_token_ids: bool | None = None
     # The prompt's last k tokens only (-1: as many as leave room for max_tokens), before the context check.
@@ -134,7 +137,6 @@ class SamplingFields(_Strict):
     # Words no output may end with (tokenized as vLLM does); masked like a grammar's tokens.
     bad_words: list[str] | None = _documented(maxItems=MAX_BAD_WORDS // 2)
     use_beam_search: bool | None = None
-    spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 
 

@@ -13,7 +13,6 @@ from frontend.protocol import SamplingFields
 # what to use instead, if anything. Any other value is a 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((None, False), ""),
-    "spaces_between_special_tokens": ((None, True), ""),
     "logits_processors": ((None, []), ""),
 }
 

@@ -11,9 +11,7 @@ IDS = list(range(10, 40))  # a 30-token prompt
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True),
-    ("spaces_between_special_tokens", False),
-    ("logits_processors", ["x"])])
+    ("use_beam_search", True), ("logits_processors", ["x"])])
 async def test_an_unimplemented_vllm_field_is_a_400_naming_it(client, engine, endpoint, field, value):
     prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
     response = await client.post(endpoint, json={**prompt, field: value})
@@ -51,8 +49,7 @@ async def test_a_chat_field_conveyor_does_not_implement_is_a_400_naming_it(clien
 
 async def test_the_values_of_unimplemented_fields_that_ask_nothing_are_accepted(client):
     response = await client.post("/v1/completions", json={
-        "prompt": "x", "use_beam_search": False,
-        "spaces_between_special_tokens": True, "logits_processors": []})
+        "prompt": "x", "use_beam_search": False, "logits_processors": []})
     assert response.status_code == 200, response.text
 
 
@@ -163,6 +160,16 @@ async def test_skip_special_tokens_false_keeps_their_text(client, engine, tokeni
         body = (await client.post("/v1/completions", json={"prompt": "x", "skip_special_tokens": skip})).json()
         texts[skip] = body["choices"][0]["text"]
     assert "<|im_start|>" in texts[False] and texts[False].replace("<|im_start|>", "") == texts[True]
+
+
+@pytest.mark.parametrize("spaces", [None, True, False])
+async def test_adjacent_special_tokens_are_joined_without_spaces_whatever_spaces_between_special_tokens_says(
+        client, engine, tokenizer, spaces):
+    """As vLLM's fast-tokenizer detokenizer: the field is accepted and the texts are joined as they are."""
+    engine.reply_token_ids = tokenizer.encode("Hi", add_special_tokens=False) + [1, 1]  # <|im_start|> twice
+    body = (await client.post("/v1/completions", json={"prompt": "x", "skip_special_tokens": False,
+                                                       "spaces_between_special_tokens": spaces})).json()
+    assert body["choices"][0]["text"] == "Hi<|im_start|><|im_start|>"
 
 
 async def test_tokenize_returns_the_token_strings_when_asked(client, tokenizer):
