@@ -4,6 +4,7 @@
     conveyor bench sweep --max-num-seqs 1,4,16,64 --request-rate 4     (launches conveyor itself)
     conveyor bench recovery --trials 3       (launches conveyor, SIGKILLs or SIGSTOPs its worker mid-stream)
     conveyor bench recovery --process frontend   (SIGKILLs its frontend, times /health back to 200)
+    conveyor bench compare --trace t.jsonl --server a='CMD {port}' --server b='CMD {port}'   (side by side, ABBA)
 
 Flags follow `vllm bench serve` where they apply. The summary prints as JSON; with --result-dir
 or --save-result the full result (every request's token times too) is written as JSON next to
@@ -19,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from deploy import bench_recovery, bench_sweep
+from deploy import bench_compare, bench_recovery, bench_sweep
 from deploy.bench_report import save_result
 from deploy.replay import COMPLETIONS_ENDPOINT, BenchError, add_replay_arguments, replay, replay_options
 from deploy.trace import add_trace_arguments, trace_from_args
@@ -39,13 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the result JSON and PNGs (to --result-dir, default: here)")
     parser.add_argument("--result-filename", default=None, help="default: LABEL.json")
     parser.add_argument("--label", default="run", help="name of this run in the result files")
-    modes = parser.add_subparsers(dest="bench_mode", metavar="[sweep|recovery]")
+    modes = parser.add_subparsers(dest="bench_mode", metavar="[sweep|recovery|compare]")
     bench_sweep.add_arguments(modes.add_parser(
         "sweep", help="launch conveyor at each --max-num-seqs and find the knee",
         description=bench_sweep.__doc__.splitlines()[0]))
     bench_recovery.add_arguments(modes.add_parser(
         "recovery", help="launch conveyor, kill or stop its worker or scheduler mid-stream (or kill its frontend), time the pause",
         description=bench_recovery.__doc__.splitlines()[0]))
+    bench_compare.add_arguments(modes.add_parser(
+        "compare", help="start each server in turn (ABBA), replay the same traces against it, table the runs",
+        description=bench_compare.__doc__.splitlines()[0]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_sweep.run(args)
     if args.bench_mode == "recovery":
         return bench_recovery.run(args)
+    if args.bench_mode == "compare":
+        return bench_compare.run(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     try:
         options = replay_options(args, args.endpoint)
