@@ -102,7 +102,12 @@ async def replay(entries: list[TraceEntry], base_url: str, model: str | None,
         tasks = [asyncio.create_task(_one(client, model, entry, record, gate, start_s, options.endpoint,
                                           options.json_schema if options.is_constrained(index) else None))
                  for index, (entry, record) in enumerate(zip(entries, records))]
-        await _progress(tasks, options.show_progress)
+        try:
+            await _progress(tasks, options.show_progress)
+        finally:  # interrupted (Ctrl-C): no request may outlive the client it streams through
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         duration_s = time.monotonic() - start_s
     result = summarize(records, duration_s)
     result["model"] = model

@@ -43,22 +43,23 @@ class ServerProcess:
                                            stdout=log, stderr=subprocess.STDOUT)
         self._roots = [self._shell.pid]
         while time.monotonic() - started < timeout_s:
+            self._follow_launcher()
             if self._answers():
                 return time.monotonic() - started
-            status = self._shell.poll()
-            if status is not None and self._roots == [self._shell.pid]:
-                self._adopt(status)
             time.sleep(POLL_S)
         raise ServerError(f"{self.name}: no 200 from {self.url}/health and /v1/models within {timeout_s:g} s of "
                           f"`{self.command}` (log: {self.log_path})")
 
-    def _adopt(self, status: int) -> None:
-        """The command exited: the server is the pid it printed, if it exited 0 after printing one."""
+    def _follow_launcher(self) -> None:
+        """Once the command has exited (before its server answered, or after), the server is the pid
+        it printed: a ServerError if it exited non-zero or printed none."""
+        if self._shell is None or self._roots != [self._shell.pid] or self._shell.poll() is None:
+            return
+        status = self._shell.returncode
         found = PID_LINE.findall(self.log_path.read_text(errors="replace"))
         if status != 0 or not found:
             why = f"exited with status {status}" if status != 0 else "exited 0 without printing pid=N"
-            raise ServerError(f"{self.name}: `{self.command}` {why} before {self.url} answered "
-                              f"(log: {self.log_path})")
+            raise ServerError(f"{self.name}: `{self.command}` {why} (log: {self.log_path})")
         self._roots = [int(found[-1])]
 
     def _answers(self) -> bool:
@@ -71,6 +72,7 @@ class ServerProcess:
 
     def pids(self) -> list[int]:
         """The live processes of the server: its roots and all their descendants."""
+        self._follow_launcher()
         return process_tree(self._roots)
 
     def rss_bytes(self) -> int:
@@ -79,7 +81,12 @@ class ServerProcess:
     def stop(self, timeout_s: float) -> None:
         """SIGTERM to each root's process group (a server drains and stops its children), SIGKILL
         to whatever of the tree is left after timeout_s."""
-        pids = self.pids()
+        if self._shell is not None and self._shell.poll() is None:
+            time.sleep(POLL_S)  # a launcher that prints pid=N exits just after its server answers
+        try:
+            pids = self.pids()
+        except ServerError:  # the command failed; whatever it left still goes
+            pids = process_tree(self._roots)
         for root in self._roots:
             try:
                 os.killpg(os.getpgid(root), signal.SIGTERM)
@@ -117,7 +124,10 @@ class PeakRss:
 
     def _sample(self) -> None:
         while True:
-            self.peak_bytes = max(self.peak_bytes, self._server.rss_bytes())
+            try:
+                self.peak_bytes = max(self.peak_bytes, self._server.rss_bytes())
+            except ServerError:  # the command failed mid-run: the replay's errors tell that
+                return
             if self._stopped.wait(self._interval_s):
                 return
 

@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """log P(token_id) at sequence `position` (raw model logits), its rank (1 + how many tokens
-    are more likely), with the top alternatives.
+    """log P(token_id) at sequence `position` (raw model logits), its rank (how many tokens are at
+    least as likely, itself included, as vLLM counts it; 0 where not computed: sampled tokens), with
+    the top alternatives.
 
     A position below the prompt length is a prompt token (prompt_logprobs).
     """
@@ -33,7 +34,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), descending
-    rank: int = 1
+    rank: int
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ def prompt_entries(prompt_token_ids: Sequence[int], by_position: dict[int, Token
 def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_token_ids: Sequence[int], by_position: dict[int, TokenLogprob],
                          num_top: int) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, null for the first (nothing predicts it), else
-    {token id: {logprob, rank, decoded_token}} for the token itself, then its top `num_top`."""
+    {token id: {logprob, rank, decoded_token}} for the token itself, then its top `num_top` (ranks
+    1..num_top). As in vLLM, a token among its own top takes that entry's rank: its key stays first."""
     shape: list[dict[str, dict[str, Any]] | None] = []
     for entry in prompt_entries(prompt_token_ids, by_position, num_top):
         if entry is None:
@@ -83,7 +84,7 @@ def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_token_ids: Sequence[int], 
             continue
         tokens = {str(entry.token_id): _vllm_logprob(tokenizer, entry.token_id, entry.logprob, entry.rank)}
         for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-            tokens.setdefault(str(token_id), _vllm_logprob(tokenizer, token_id, logprob, rank))
+            tokens[str(token_id)] = _vllm_logprob(tokenizer, token_id, logprob, rank)
         shape.append(tokens)
     return shape
 

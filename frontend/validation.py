@@ -113,13 +113,16 @@ def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[in
                     limits: ModelLimits, logprobs: int, prompt_logprobs: int, grammar: GrammarSpec | None,
                     echo_only: bool, bad_words: tuple[tuple[int, ...], ...]) -> GenerationJob:
     """The prompt's entries serve echo's logprobs and prompt_logprobs alike: the more alternatives
-    of the two are computed, and each shows its own number."""
+    of the two are computed, and each shows its own number. As in vLLM, echo with logprobs k and no
+    prompt_logprobs also gives each choice prompt_logprobs with the top k."""
     default_max_tokens = min(DEFAULTS.max_tokens, room)
     echo_text = _echo_text(prompt, prompt_ids, tokenizer) if request.echo else None
-    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": max(logprobs if request.echo else -1, prompt_logprobs)}
+    echo_logprobs = logprobs if request.echo else -1
+    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": max(echo_logprobs, prompt_logprobs)}
     max_tokens = 1 if echo_only else or_default(request.max_tokens, default_max_tokens)
     job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar, bad_words=bad_words)
-    return dataclasses.replace(job, echo_only=True) if echo_only else job
+    return dataclasses.replace(job, echo_only=echo_only,
+                               prompt_logprobs=prompt_logprobs if prompt_logprobs >= 0 else echo_logprobs)
 
 
 def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
@@ -153,10 +156,11 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     prompt_ids = _truncated(prompt_ids, request.truncate_prompt_tokens, limits, max_tokens)
     room = _check_prompt_fits(prompt_ids, max_tokens, limits, "messages", max_tokens_param)
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
-    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": _check_prompt_logprobs(request)}
-    return _job(request, prompt_ids, or_default(max_tokens, room), limits, logprob_fields,
-                grammar=grammar, tool_choice=tool_choice,
-                bad_words=bad_words_token_ids(request.bad_words, tokenizer))
+    prompt_logprobs = _check_prompt_logprobs(request)
+    logprob_fields = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    job = _job(request, prompt_ids, or_default(max_tokens, room), limits, logprob_fields,
+               grammar=grammar, tool_choice=tool_choice, bad_words=bad_words_token_ids(request.bad_words, tokenizer))
+    return dataclasses.replace(job, prompt_logprobs=prompt_logprobs)
 
 
 def _prompts(prompt: Any, n: int) -> list[Any]:
@@ -280,7 +284,6 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,
-        prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None else -1,
         grammar=grammar,
         tool_choice=tool_choice,
     )

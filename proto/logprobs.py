@@ -1,8 +1,9 @@
 """Logprob entries: the one container StepResult and StepOutputs carry (their `logprobs` field).
 
 Entry e: the log-probability of token token_ids[e] at sequence position positions[e] of row
-rows[e], its rank there (1 + how many tokens the model gave a higher logprob), and its top
-alternatives (descending) in top_*[cu_top[e]:cu_top[e+1]]. Rows are plan
+rows[e], its rank there (how many tokens have a logprob at least as high, itself included, as vLLM
+counts it; computed for prompt tokens only, 0 for sampled ones), and its top alternatives
+(descending) in top_*[cu_top[e]:cu_top[e+1]]. Rows are plan
 members in a StepResult and StepOutputs rows in a StepOutputs (see their docstrings).
 """
 
@@ -22,7 +23,7 @@ class LogprobEntries:
     positions: Int32Array = field(default_factory=empty(np.int32))  # [num_entries]
     token_ids: Int32Array = field(default_factory=empty(np.int32))  # [num_entries]
     logprobs: Float32Array = field(default_factory=empty(np.float32))  # [num_entries]
-    ranks: Int32Array = field(default_factory=empty(np.int32))  # [num_entries] 1 = the most likely token
+    ranks: Int32Array = field(default_factory=empty(np.int32))  # [num_entries] 1 = the most likely; 0 = not computed
     cu_top: Int32Array = field(default_factory=empty(np.int32, 1))  # [num_entries + 1]
     top_token_ids: Int32Array = field(default_factory=empty(np.int32))  # [total_top] descending within each entry
     top_logprobs: Float32Array = field(default_factory=empty(np.float32))  # [total_top]

@@ -64,12 +64,16 @@ def sampled_asks(plan: StepPlan, sample_members: np.ndarray) -> np.ndarray:
 
 
 def compute_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, members: np.ndarray,
-                    positions: np.ndarray, num_top: np.ndarray) -> LogprobEntries:
+                    positions: np.ndarray, num_top: np.ndarray, with_ranks: bool) -> LogprobEntries:
     """logprobs: float32 [num_entries, vocab] (already log_softmax-ed); token_ids: int64
-    [num_entries]; the rest int64 [num_entries]."""
+    [num_entries]; the rest int64 [num_entries]. with_ranks: count each token's rank (a pass over
+    [num_entries, vocab]; only prompt entries show it, in vLLM's prompt_logprobs), else 0."""
     num_entries, vocab = logprobs.shape
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1  # ties share the better rank
+    if with_ranks:  # vLLM's count: the tokens at least as likely, itself included (ties share the worse rank)
+        ranks = (logprobs >= token_logprobs.unsqueeze(1)).sum(dim=1).numpy().astype(np.int32)
+    else:
+        ranks = np.zeros(num_entries, dtype=np.int32)
     num_top = np.minimum(num_top, vocab)
     max_top = int(num_top.max()) if num_entries else 0
     keep = np.arange(max_top)[None, :] < num_top[:, None]  # bool [num_entries, max_top]
@@ -83,5 +87,5 @@ def compute_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, members: np
     return LogprobEntries(
         rows=members.astype(np.int32), positions=positions.astype(np.int32),
         token_ids=token_ids.numpy().astype(np.int32),
-        logprobs=token_logprobs.numpy().astype(np.float32), ranks=ranks.numpy().astype(np.int32), cu_top=cu_top,
+        logprobs=token_logprobs.numpy().astype(np.float32), ranks=ranks, cu_top=cu_top,
         top_token_ids=top_ids.astype(np.int32), top_logprobs=top_values.astype(np.float32))

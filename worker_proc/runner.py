@@ -160,14 +160,14 @@ class ModelRunner:
         if targets.num_entries:
             parts.append(compute_entries(torch.log_softmax(logits[num_sampled:], dim=-1),
                                          torch.from_numpy(targets.token_ids), targets.members,
-                                         targets.positions, targets.num_top))
+                                         targets.positions, targets.num_top, with_ranks=True))
         if raw is not None:
             members = batch.sample_members[asks]
             num_top = plan.sampling.logprobs[members]
             if len(plan.grammar):  # a masked-out token has no logprob: no more alternatives than allowed tokens
                 num_top = np.minimum(num_top, torch.isfinite(raw).sum(dim=-1).numpy())
             parts.append(compute_entries(raw, tokens[torch.from_numpy(asks)], members,
-                                         batch.sample_positions[asks], num_top))
+                                         batch.sample_positions[asks], num_top, with_ranks=False))
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens.numpy().astype(np.int32),
                           error="", logprobs=concat_entries(parts))
 

@@ -75,10 +75,10 @@ class ChatFormat:
                                                      choice.finish_reason)}
 
     def response_fields(self, generation: Generation) -> dict[str, Any]:
-        """vLLM's prompt_logprobs, beside the choices (the prompt is every choice's)."""
+        """vLLM's prompt_logprobs (null when not asked), beside the choices: the prompt is every choice's."""
         job = generation.job
         if job.prompt_logprobs < 0:
-            return {}
+            return {"prompt_logprobs": None}
         return {"prompt_logprobs": vllm_prompt_logprobs(self._tokenizer, job.prompt_token_ids,
                                                         generation.prompt_logprobs, job.prompt_logprobs)}
 

@@ -79,9 +79,9 @@ class CompletionFormat:
                 entries[:0] = prompt_entries(prompt_ids, generation.prompt_logprobs, job.sampling_params.logprobs)
             logprobs = CompletionLogprobs(self._tokenizer, job.tokens_as_ids).build(token_ids, entries)
         final = _choice(choice.index, text, logprobs, finish_reason)
-        if job.prompt_logprobs >= 0:  # vLLM's field: every choice of the prompt carries it
-            final["prompt_logprobs"] = vllm_prompt_logprobs(self._tokenizer, job.prompt_token_ids,
-                                                            generation.prompt_logprobs, job.prompt_logprobs)
+        # vLLM's field, null when not asked: every choice of the prompt carries the prompt's
+        final["prompt_logprobs"] = None if job.prompt_logprobs < 0 else vllm_prompt_logprobs(
+            self._tokenizer, job.prompt_token_ids, generation.prompt_logprobs, job.prompt_logprobs)
         return final
 
     def response_fields(self, generation: Generation) -> dict[str, Any]:

@@ -66,6 +66,21 @@ def test_a_server_that_exits_before_answering_is_named_with_its_log(tmp_path: Pa
     assert "broken: `echo no server on" in err and "exited with status 3" in err and "broken-round1.log" in err
 
 
+LAUNCHER = """
+import subprocess, sys, time, urllib.request
+port, command = sys.argv[1], " ".join(sys.argv[2:]).replace("{port}", sys.argv[1])
+server = subprocess.Popen(command, shell=True, start_new_session=True, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+while True:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(0.2)
+print(f"server pid={server.pid}", flush=True)
+"""
+
+
 def test_compare_serves_a_foreground_and_a_background_server_and_stops_both(
         tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     trace = tmp_path / "small.jsonl"
@@ -73,7 +88,10 @@ def test_compare_serves_a_foreground_and_a_background_server_and_stops_both(
                                     vocab_high=read_model_info(tiny_model_dir).vocab_size)), trace)
     serve = (f"{shlex.quote(sys.executable)} -m deploy.cli serve {shlex.quote(str(tiny_model_dir))} --port {{port}} "
              "--dtype float32 --num-kv-blocks 128 --num-threads 1 --log-level warning")
-    background = f"setsid {serve} > {shlex.quote(str(tmp_path / 'bg.log'))} 2>&1 & echo pid=$!"
+    # like ../shared/peers/vllm-cpu.sh: starts the server, waits until it answers, prints pid=N and exits
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    background = f"{shlex.quote(sys.executable)} {shlex.quote(str(launcher))} {{port}} {serve}"
     out = tmp_path / "out"
     assert main(["bench", "compare", "--trace", str(trace), "--server", f"fg={serve}", "--server",
                  f"bg={background}", "--rounds", "1", "--disable-tqdm", "--result-dir", str(out)]) == 0

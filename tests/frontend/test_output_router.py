@@ -46,7 +46,7 @@ async def test_rows_reach_their_choice_with_their_logprob_entries_and_cache_hits
     other = router.open("b", 1)
     deltas = await collect(router, "a", 2, [message, outputs([("a", 1, [8], "stop")])])
     assert deltas == [EngineDelta([9], choice_index=1, num_cached_tokens=16,
-                                  logprobs=(TokenLogprob(3, 9, -0.5, ((9, -0.5),)),
+                                  logprobs=(TokenLogprob(3, 9, -0.5, ((9, -0.5),), rank=1),
                                             TokenLogprob(4, 8, -1.5, ((8, -1.5),), rank=2))),
                       EngineDelta([7], "length", choice_index=0),
                       EngineDelta([8], "stop", choice_index=1)]

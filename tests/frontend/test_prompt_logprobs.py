@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 from frontend_fakes import prompt_logprob
 
+from frontend.engine_outputs import TokenLogprob
+from frontend.logprobs import vllm_prompt_logprobs
+
 pytestmark = pytest.mark.anyio
 
 USER = [{"role": "user", "content": "hi"}]
@@ -73,12 +76,34 @@ async def test_chat_puts_prompt_logprobs_beside_the_choices(client, engine, toke
     assert "prompt_logprobs" not in body["choices"][0] and body["choices"][0]["logprobs"] is None
 
 
+async def test_echo_with_logprobs_also_fills_prompt_logprobs_with_its_top_k_as_vllm_does(client, engine, tokenizer):
+    response = await client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "echo": True, "logprobs": 2,
+                                                           "max_tokens": 1})
+    shape = response.json()["choices"][0]["prompt_logprobs"]
+    assert rounded(shape) == rounded(expected_shape([5, 6, 7, 8], 2, tokenizer))
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-async def test_without_prompt_logprobs_no_entries_are_asked_and_no_field_is_added(client, engine, endpoint):
+async def test_without_prompt_logprobs_no_entries_are_asked_and_the_field_is_null(client, engine, endpoint):
     prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": USER}
     body = (await client.post(endpoint, json={**prompt, "max_tokens": 1})).json()
     assert engine.added[0].sampling_params.prompt_logprobs == -1
-    assert "prompt_logprobs" not in body and "prompt_logprobs" not in body["choices"][0]
+    if endpoint == "/v1/completions":
+        assert body["choices"][0]["prompt_logprobs"] is None and "prompt_logprobs" not in body
+    else:
+        assert body["prompt_logprobs"] is None and "prompt_logprobs" not in body["choices"][0]
+
+
+def test_a_token_outside_its_top_comes_first_with_its_rank_and_one_inside_takes_its_top_rank(tokenizer):
+    """vLLM's dict: the token first, then the top k by rank; a token among them takes their entry."""
+    outside = TokenLogprob(1, 50, -3.0, ((60, -0.5), (61, -1.0)), rank=7)
+    inside = TokenLogprob(2, 61, -1.0, ((60, -0.5), (61, -1.0)), rank=2)
+    shape = vllm_prompt_logprobs(tokenizer, [40, 50, 61], {1: outside, 2: inside}, 2)
+    assert shape[0] is None
+    assert [(key, entry["rank"], entry["logprob"]) for key, entry in shape[1].items()] == [
+        ("50", 7, -3.0), ("60", 1, -0.5), ("61", 2, -1.0)]
+    assert [(key, entry["rank"]) for key, entry in shape[2].items()] == [("61", 2), ("60", 1)]
+    assert shape[1]["50"]["decoded_token"] == tokenizer.token_text(50)
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])

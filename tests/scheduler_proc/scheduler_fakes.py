@@ -138,6 +138,7 @@ class OutputLog:
         self.num_cached_tokens: dict[str, int] = {}
         self.events: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[tuple[int, int, float, list[int]]]] = {}  # (position, token, lp, top)
+        self.ranks: dict[str, list[int]] = {}  # each entry's rank, in the order of logprobs
         self.messages: list[StepOutputs] = []
 
     def record(self, outputs: StepOutputs) -> None:
@@ -175,6 +176,7 @@ class OutputLog:
             self.logprobs.setdefault(keys[row], []).append(
                 (int(outputs.logprobs.positions[entry]), int(outputs.logprobs.token_ids[entry]),
                  float(outputs.logprobs.logprobs[entry]), top))
+            self.ranks.setdefault(keys[row], []).append(int(outputs.logprobs.ranks[entry]))
 
     def check_all_finished(self) -> None:
         """Every choice that was ever named has its terminal output and a FINISHED event."""

@@ -83,6 +83,7 @@ def test_prompt_entries_recomputed_after_a_preemption_are_forwarded_once() -> No
     assert harness.engine.stats().num_preemptions_total >= 1
     positions = [p for p, _, _, _ in harness.log.logprobs["b"]]
     assert positions == list(range(1, 12))
+    assert harness.log.ranks["b"] == [p % 5 + 1 for p in positions]  # each entry's rank came with it
 
 
 def test_entries_for_members_outside_the_batch_fail_the_step() -> None:
