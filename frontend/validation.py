@@ -224,7 +224,7 @@ def _check_num_logprobs(value: int | None, param: str) -> int:
 
 def _check_prompt_logprobs(request: SamplingFields) -> int:
     """vLLM's prompt_logprobs (-1 when not asked): a field of the whole response, so a 400 with
-    stream (vLLM refuses every k there but 0, which it then leaves out)."""
+    stream (vLLM refuses every k there but 0)."""
     if request.prompt_logprobs is not None and request.stream:
         raise bad_request("prompt_logprobs is not available with stream: true", "prompt_logprobs")
     return _check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
