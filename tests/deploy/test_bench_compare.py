@@ -37,6 +37,10 @@ def test_the_first_server_is_compared_with_each_other_on_the_means_of_their_roun
                              "servers": {"conveyor": "c {port}", "vllm": "v {port}"},
                              "runs": runs, "ratios": ratios(runs, ["conveyor", "vllm"])})
     assert "| heavy | vllm, 2 | 100.0 s | **80.0** | 0.50 / 1.00 s |" in table
+    runs[0]["tpot_s"] = {"p50": 0.0226, "p99": 0.0235}  # a single stream's: in ms
+    assert "| heavy | conveyor, 1 | 100.0 s | **120.0** | 0.50 / 1.00 s | 22.6 / 23.5 ms |" in format_markdown(
+        {"cpu": {"model": "X", "cores": 2, "isa_flags": []}, "servers": {"conveyor": "c", "vllm": "v"},
+         "runs": runs, "ratios": {}})
     assert "heavy: conveyor's output tok/s (mean of its rounds) is 1.22x vllm's" in table
 
 
