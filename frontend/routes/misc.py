@@ -64,6 +64,13 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+@router.get("/ping")
+@router.post("/ping")
+async def ping(request: Request) -> JSONResponse:
+    """vLLM's /ping (the health check of SageMaker-style hosts, GET or POST): /health's answer."""
+    return await health(request)
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = get_state(request)

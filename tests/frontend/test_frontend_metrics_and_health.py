@@ -281,6 +281,9 @@ async def test_health_follows_scheduler_heartbeats(config, tokenizer):
                                    "step_idle_s": round(config.stall_timeout_s, 1)}
         engine.handle_frame(codec.encode(dataclasses.replace(heartbeat(), step_id=4)))  # the step ended
         assert (await http.get("/health")).status_code == 200
+        assert [(r.status_code, r.json()) for r in (await http.get("/ping"), await http.post("/ping"))] == [
+            (200, {"status": "ok"})] * 2  # vLLM's /ping answers as /health does
         app.state.conveyor.draining = True
         response = await http.get("/health")
         assert (response.status_code, response.json()["status"]) == (503, "draining")
+        assert (await http.post("/ping")).status_code == 503

@@ -20,7 +20,8 @@ from frontend.app import create_app
 MAX_EXAMPLES = 40  # per route and mode: about 10 s for the whole file on 2 cores
 MAX_RESPONSE_S = 2.0  # generous for a loaded CI machine: an answer, never a hang
 BODY_ROUTES = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
-PLAIN_ROUTES = ["GET /v1/models", "GET /v1/models/{model}", "GET /health", "GET /metrics", "GET /version"]
+PLAIN_ROUTES = ["GET /v1/models", "GET /v1/models/{model}", "GET /health", "GET /ping", "POST /ping", "GET /metrics",
+                "GET /version"]
 ROUTES = BODY_ROUTES + PLAIN_ROUTES
 CASES = [(route, mode) for route in BODY_ROUTES for mode in GenerationMode] + [
     (route, GenerationMode.POSITIVE) for route in PLAIN_ROUTES]
