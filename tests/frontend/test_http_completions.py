@@ -19,7 +19,7 @@ async def test_completion_returns_text_usage_and_finish_reason(client, engine, r
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": reply_text, "logprobs": None, "finish_reason": "stop",
-                                "stop_reason": None}]  # EOS: no stop string or stop token id of the request
+                                "prompt_logprobs": None, "stop_reason": None}]  # EOS: no stop string or token id asked
     num_prompt = len(engine.added[0].prompt_token_ids)
     num_reply = len(engine.reply_token_ids)
     assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": num_reply,
