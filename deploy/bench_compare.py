@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import mean
 
 from deploy.bench_sweep import free_port
-from deploy.replay import BenchError, add_replay_arguments, replay, replay_options
+from deploy.replay import BenchError, ReplayOptions, add_replay_arguments, replay, replay_options
 from deploy.server_process import PeakRss, ServerError, ServerProcess
 from proto.trace import load_trace
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_start(name: str, command: str, round_index: int, traces: dict, args: argparse.Namespace,
-               options: object) -> list[dict]:
+               options: ReplayOptions) -> list[dict]:
     port = free_port()
     server = ServerProcess(name, command.replace("{port}", str(port)), port,
                            args.result_dir / f"{name}-round{round_index}.log")

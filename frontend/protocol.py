@@ -127,15 +127,15 @@ class SamplingFields(_Strict):
     return_tokens_as_token_ids: bool | None = None
     # The prompt's last k tokens only (-1: as many as leave room for max_tokens), before the context check.
     truncate_prompt_tokens: Count | None = _documented(minimum=-1)
-    # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
-    # it (unsupported_fields.UNSUPPORTED_FIELDS) rather than output that silently ignores it.
-    # Every sampled token is one of these (a constant mask, as a grammar's; not with one).
+    # Every sampled token is one of these (a constant mask row, ANDed with any grammar's).
     allowed_token_ids: list[int] | None = _documented(minItems=1, maxItems=MAX_ALLOWED_TOKEN_IDS,
                                                       items={"type": "integer", "minimum": 0})
     # vLLM's: each prompt token's logprob and rank, with the top k alternatives (not with stream).
     prompt_logprobs: Count | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     # Words no output may end with (tokenized as vLLM does); masked like a grammar's tokens.
     bad_words: list[str] | None = _documented(maxItems=MAX_BAD_WORDS // 2)
+    # vLLM fields conveyor does not implement, declared so that asking for one is a 400 that names
+    # it (unsupported_fields.UNSUPPORTED_FIELDS) rather than output that silently ignores it.
     use_beam_search: bool | None = None
     logits_processors: Any = None
 

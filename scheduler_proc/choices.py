@@ -15,8 +15,10 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from proto.config import EngineConfig
-from proto.messages import AddRequest
+from proto.messages import AddRequest, ResumedOutputs
 from scheduler_proc.request import Request
 
 if TYPE_CHECKING:
@@ -31,6 +33,11 @@ def choice_seed(seed: int, choice_index: int) -> int:
         return seed
     digest = hashlib.blake2b(struct.pack("<qq", seed, choice_index), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def resumed_output_tokens(resume: ResumedOutputs, index: int) -> np.ndarray:
+    """Choice `index`'s output tokens that a resubmission restores (int32, a view)."""
+    return resume.token_ids[int(resume.cu_token_ids[index]):int(resume.cu_token_ids[index + 1])]
 
 
 def make_choices(message: AddRequest, seed: int, config: EngineConfig,
@@ -49,8 +56,7 @@ def make_choices(message: AddRequest, seed: int, config: EngineConfig,
                           eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len,
                           choice_index=index, leader=leader, grammar=grammar)
         if resume is not None:
-            start, end = int(resume.cu_token_ids[index]), int(resume.cu_token_ids[index + 1])
-            request.restore_outputs(resume.token_ids[start:end], resume.num_prompt_logprobs_received)
+            request.restore_outputs(resumed_output_tokens(resume, index), resume.num_prompt_logprobs_received)
         return request
 
     indices = [index for index in range(params.n) if resume is None or not resume.finished[index]]

@@ -19,6 +19,7 @@ from proto.config import EngineConfig
 from proto.grammar import GrammarSpec
 from proto.messages import AddRequest, GrammarMasks, ResumedOutputs
 from scheduler_proc.bad_words import BadWords
+from scheduler_proc.choices import resumed_output_tokens
 from scheduler_proc.token_set import AllOf, Constraint, TokenSet, allowed_row, bitmask_words
 
 if TYPE_CHECKING:
@@ -54,9 +55,8 @@ class Constraints:
         for index, grammar in enumerate(grammars):
             if resumed is None or resumed.finished[index]:
                 continue
-            start, end = int(resumed.cu_token_ids[index]), int(resumed.cu_token_ids[index + 1])
             try:
-                grammar.replay(resumed.token_ids[start:end].tolist())
+                grammar.replay(resumed_output_tokens(resumed, index).tolist())
             except GrammarError as exc:
                 return [], f"choice {index}'s resumed output tokens do not match its grammar: {exc}"
         return grammars, ""
@@ -83,7 +83,8 @@ class Constraints:
                 choice_parts.append(TokenSet(row))
         if params.bad_words_token_ids:
             for index, choice_parts in enumerate(parts):
-                bad_words = BadWords(params.bad_words_token_ids, vocab_size, _output_tokens(resumed, index))
+                restored = [] if resumed is None else resumed_output_tokens(resumed, index).tolist()
+                bad_words = BadWords(params.bad_words_token_ids, vocab_size, restored)
                 if bad_words.error:
                     return [], f"choice {index}'s resumed output tokens hold one of its bad_words: {bad_words.error}"
                 choice_parts.append(bad_words)
@@ -130,10 +131,3 @@ class Constraints:
                                f"vocab_size {config.vocab_size})")
         self._table = GrammarTable.from_model_dir(config.model, config.vocab_size, list(config.eos_token_ids))
         return self._table
-
-
-def _output_tokens(resumed: ResumedOutputs | None, index: int) -> list[int]:
-    """Choice `index`'s output tokens that a resubmission restores (none for a new request)."""
-    if resumed is None:
-        return []
-    return resumed.token_ids[int(resumed.cu_token_ids[index]):int(resumed.cu_token_ids[index + 1])].tolist()
