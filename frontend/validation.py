@@ -223,11 +223,13 @@ def _check_num_logprobs(value: int | None, param: str) -> int:
 
 
 def _check_prompt_logprobs(request: SamplingFields) -> int:
-    """vLLM's prompt_logprobs (-1 when not asked): a field of the whole response, so a 400 with
-    stream (vLLM refuses every k there but 0)."""
-    if request.prompt_logprobs is not None and request.stream:
-        raise bad_request("prompt_logprobs is not available with stream: true", "prompt_logprobs")
-    return _check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
+    """vLLM's prompt_logprobs (-1 when not asked): a field of the whole response, which a stream
+    has no place for. As vLLM does, a stream takes 0 (and sends no prompt_logprobs) and refuses more."""
+    num = _check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
+    if request.stream and num > 0:
+        raise bad_request(f"prompt_logprobs is not available with stream: true (got {num}; only 0 is taken)",
+                          "prompt_logprobs")
+    return -1 if request.stream else num
 
 
 def _echo_text(prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer) -> str:

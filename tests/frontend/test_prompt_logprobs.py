@@ -118,3 +118,15 @@ async def test_bad_prompt_logprobs_are_a_400_naming_the_field(client, engine, en
     error = response.json()["error"]
     assert error["param"] == "prompt_logprobs" and message in error["message"]
     assert not engine.added
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_takes_prompt_logprobs_0_as_vllm_does_and_sends_none(client, engine, endpoint, sse):
+    prompt = {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": USER}
+    response = await client.post(endpoint, json={**prompt, "prompt_logprobs": 0, "stream": True, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    events, done = sse(response.text)
+    assert done and events
+    assert engine.added[0].sampling_params.prompt_logprobs == -1  # nothing computed for a field never sent
+    assert not any("prompt_logprobs" in event or any("prompt_logprobs" in choice for choice in event["choices"])
+                   for event in events)
