@@ -101,17 +101,37 @@ static inline __attribute__((always_inline)) void tile(const float *x, int mr,
     }
 }
 
-/* Every row of x against one k block of one panel, MR rows at a time (the last block shorter);
- * x packed as in tile, a group of MR rows mr_step apart. */
+/* The rows of tile g of m rows: MR each, but where that would leave a last tile of 1-3 rows, the last
+ * two share theirs (7 rows: 4 + 3, 8: 4 + 4, 9: 5 + 4). A tile of r rows keeps 2r FMA chains, and
+ * 2-6 chains leave the FMA units waiting on their latency: 6 + 1 rows took 1.7x as long as 6, 4 + 3
+ * take 1.3x (docs/benchmarks.md, "Decode linears"). Rows of a tile never change a bit of their
+ * output. Returns the tile's row count; *r0 is its first row. */
+static inline int tile_of(int64_t m, int64_t g, int64_t *r0) {
+    int64_t tiles = (m + MR - 1) / MR, rest = m - (tiles - 1) * MR;
+    *r0 = g * MR;
+    if (tiles < 2 || rest > MR / 2 || g < tiles - 2)
+        return g < tiles - 1 ? MR : (int)rest;
+    int first = (int)(MR + rest + 1) / 2;  /* the last two tiles */
+    if (g == tiles - 1) {
+        *r0 += first - MR;
+        return (int)(MR + rest) - first;
+    }
+    return first;
+}
+
+/* Every row of x against one k block of one panel, tile by tile (tile_of); x packed as in tile,
+ * tile g at x + g * mr_step. */
 static inline __attribute__((always_inline)) void rows_by_panel(const float *x, int64_t mr_step, int64_t m,
                                                                 const void *panel,
                                                                 int64_t kc, float *y, int64_t y_stride,
                                                                 int n_valid, int first, const float *bias,
                                                                 const int W16) {
-    for (int64_t m0 = 0; m0 < m; m0 += MR) {
-        const float *xr = x + m0 / MR * mr_step;
-        float *yr = y + m0 * y_stride;
-        switch (m - m0 < MR ? (int)(m - m0) : MR) {
+    for (int64_t g = 0; g * MR < m; g++) {
+        int64_t r0;
+        int mr = tile_of(m, g, &r0);
+        const float *xr = x + g * mr_step;
+        float *yr = y + r0 * y_stride;
+        switch (mr) {
         case 1: tile(xr, 1, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
         case 2: tile(xr, 2, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
         case 3: tile(xr, 3, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
@@ -122,19 +142,24 @@ static inline __attribute__((always_inline)) void rows_by_panel(const float *x, 
     }
 }
 
-/* Rows [m0, m1) of x, inputs [k0, k0 + kc), into buf as [kc][MR] per MR rows (a short last group
- * keeps the stride; its missing rows are never read). */
+/* Tile g of rows [m0, m1) of x, inputs [k0, k0 + kc), into dst as [kc][MR] (a short tile keeps the
+ * stride; its missing rows are never read). */
+static void pack_tile(const float *x, int64_t x_stride, int64_t m0, int64_t m1, int64_t g, int64_t k0,
+                      int64_t kc, float *dst) {
+    int64_t r0;
+    int mr = tile_of(m1 - m0, g, &r0);
+    for (int i = 0; i < mr; i++) {
+        const float *src = x + (m0 + r0 + i) * x_stride + k0;
+        for (int64_t t = 0; t < kc; t++)
+            dst[t * MR + i] = src[t];
+    }
+}
+
+/* Rows [m0, m1) of x, inputs [k0, k0 + kc), into buf tile by tile, tile g at buf + g * MR * kc. */
 static void pack_rows(const float *x, int64_t x_stride, int64_t m0, int64_t m1, int64_t k0, int64_t kc,
                       float *buf) {
-    for (int64_t r0 = m0; r0 < m1; r0 += MR) {
-        float *dst = buf + (r0 - m0) / MR * MR * kc;
-        int mr = m1 - r0 < MR ? (int)(m1 - r0) : MR;
-        for (int i = 0; i < mr; i++) {
-            const float *src = x + (r0 + i) * x_stride + k0;
-            for (int64_t t = 0; t < kc; t++)
-                dst[t * MR + i] = src[t];
-        }
-    }
+    for (int64_t g = 0; g * MR < m1 - m0; g++)
+        pack_tile(x, x_stride, m0, m1, g, k0, kc, buf + g * MR * kc);
 }
 
 /* The path for more than PACK_ROWS rows (see the top of the file). The threads claim blocks of at
@@ -198,7 +223,7 @@ static inline __attribute__((always_inline)) int linear(const float *x, int64_t 
     {
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++)
-            pack_rows(x, x_stride, g * MR, g * MR + MR < m ? g * MR + MR : m, 0, k, packed + g * MR * k);
+            pack_tile(x, x_stride, 0, m, g, 0, k, packed + g * MR * k);
         /* (the loop's barrier: every group packed) panels claimed two at a time: see packed_rows */
 #pragma omp for schedule(dynamic, 2)
         for (int64_t p = 0; p < num_panels; p++) {
