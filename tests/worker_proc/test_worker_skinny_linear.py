@@ -33,7 +33,7 @@ def kernel(request: pytest.FixtureRequest) -> skinny.SkinnyLinear:
     return kernel_for(request.param)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 37, 130, 257, 302, 611])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 37, 130, 257, 302, 611])
 @pytest.mark.parametrize("out_features,in_features", [(7, 13), (20, 64), (960, 576), (3, 8), (1, 1), (33, 600)])
 def test_equals_f_linear_for_every_row_count_and_ragged_shape(kernel: skinny.SkinnyLinear, rows: int,
                                                               out_features: int, in_features: int) -> None:
@@ -76,6 +76,17 @@ def test_the_threads_claiming_work_do_not_change_a_bit_of_the_result(kernel: ski
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_any_decode_batch(kernel: skinny.SkinnyLinear) -> None:
+    """Up to 64 rows, a row's output does not depend on the rows beside it, nor on the tile it lands
+    in: 7 rows run as tiles of 4 + 3, 13 as 6 + 4 + 3, 11 as 6 + 5."""
+    generator = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(64, 600, generator=generator), torch.randn(40, 600, generator=generator)
+    packed = kernel.pack(weight)
+    alone = torch.cat([packed(x[i:i + 1], None) for i in range(64)])
+    for rows in (2, 7, 8, 9, 11, 13, 33, 64):
+        assert torch.equal(packed(x[:rows], None), alone[:rows]), rows
 
 
 def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> None:
