@@ -80,7 +80,7 @@ def test_the_threads_claiming_work_do_not_change_a_bit_of_the_result(kernel: ski
 
 def test_a_row_gets_the_same_bits_alone_and_in_any_decode_batch(kernel: skinny.SkinnyLinear) -> None:
     """Up to 64 rows, a row's output does not depend on the rows beside it, nor on the tile it lands
-    in: 7 rows run as tiles of 4 + 3, 13 as 6 + 4 + 3, 11 as 6 + 5."""
+    in: 7 rows run as tiles of 3 + 4, 13 as 4 + 4 + 5, 11 as 5 + 6."""
     generator = torch.Generator().manual_seed(11)
     x, weight = torch.randn(64, 600, generator=generator), torch.randn(40, 600, generator=generator)
     packed = kernel.pack(weight)

@@ -101,22 +101,15 @@ static inline __attribute__((always_inline)) void tile(const float *x, int mr,
     }
 }
 
-/* The rows of tile g of m rows: MR each, but where that would leave a last tile of 1-3 rows, the last
- * two share theirs (7 rows: 4 + 3, 8: 4 + 4, 9: 5 + 4). A tile of r rows keeps 2r FMA chains, and
- * 2-6 chains leave the FMA units waiting on their latency: 6 + 1 rows took 1.7x as long as 6, 4 + 3
- * take 1.3x (docs/benchmarks.md, "Decode linears"). Rows of a tile never change a bit of their
- * output. Returns the tile's row count; *r0 is its first row. */
+/* The rows of tile g of m rows: ceil(m / MR) tiles as even as they divide (7 rows: 3 + 4, 8: 4 + 4,
+ * 13: 4 + 4 + 5), not MR each and the rest last. A tile of r rows keeps 2r FMA chains, and 2-6
+ * chains leave the FMA units waiting on their latency: 6 + 1 rows took 1.7x as long as 6 rows, 3 + 4
+ * take 1.3x (docs/benchmarks.md, "Decode linears"). The tile a row lands in never changes a bit of
+ * its output. Returns the tile's row count; *r0 is its first row. */
 static inline int tile_of(int64_t m, int64_t g, int64_t *r0) {
-    int64_t tiles = (m + MR - 1) / MR, rest = m - (tiles - 1) * MR;
-    *r0 = g * MR;
-    if (tiles < 2 || rest > MR / 2 || g < tiles - 2)
-        return g < tiles - 1 ? MR : (int)rest;
-    int first = (int)(MR + rest + 1) / 2;  /* the last two tiles */
-    if (g == tiles - 1) {
-        *r0 += first - MR;
-        return (int)(MR + rest) - first;
-    }
-    return first;
+    int64_t tiles = (m + MR - 1) / MR;
+    *r0 = m * g / tiles;
+    return (int)(m * (g + 1) / tiles - *r0);
 }
 
 /* Every row of x against one k block of one panel, tile by tile (tile_of); x packed as in tile,
