@@ -44,7 +44,8 @@ def test_equals_f_linear_for_every_row_count_and_ragged_shape(kernel: skinny.Ski
     torch.testing.assert_close(kernel.pack(weight)(x, None), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [5, 300], ids=["panels split", "rows packed"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 300], ids=["two panels a tile", "two rows, two panels a tile",
+                                                   "panels split", "rows packed"])
 def test_a_bias_is_added_and_rows_may_lie_apart(kernel: skinny.SkinnyLinear, rows: int) -> None:
     generator = torch.Generator().manual_seed(3)
     wide = torch.randn(rows, 100, generator=generator)

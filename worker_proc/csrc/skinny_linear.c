@@ -6,11 +6,12 @@
  * Here W is stored once in panels of PANEL output features, k-major: panel p holds W[16p..16p+15, :]
  * as [k][16], so one k of a panel is two 8-lane vectors (skinny_pack in layers/skinny.py writes it).
  * Each tile keeps MR rows x 16 outputs in 12 registers and broadcasts one x element per row and k:
- * 12 FMAs per two weight loads.
+ * 12 FMAs per two weight loads (skinny_tiles.h; the rows split into tiles as evenly as they divide,
+ * and one or two rows take two panels at once, so that every tile keeps 8 or more FMAs in flight).
  *
- * Up to PACK_ROWS rows: x is packed once as [k][MR] per MR rows (one k of a tile is one 24-byte
+ * Up to PACK_ROWS rows: x is packed once as [k][MR] per tile (one k of a tile is one 24-byte
  * read), then the threads claim panels two at a time; for each block of KC inputs, the panel's
- * block (16 KB) stays in L1 while every MR rows of x pass over it. W is read from memory once per
+ * block (16 KB) stays in L1 while every tile of x passes over it. W is read from memory once per
  * call. More rows: the threads claim blocks of at most MC rows, copy each block of KC_PACKED
  * inputs of them into their own buffer as [k][MR] per MR rows (one k of a tile is then one 24-byte
  * read, and the block stays in L2), and run every panel over it. Claimed work, not fixed shares: a
@@ -26,80 +27,11 @@
 #include <string.h>
 
 enum { SKINNY_OK = 0, SKINNY_BAD_SHAPE = -1, SKINNY_UNSUPPORTED = -2, SKINNY_NO_MEMORY = -3 };
-enum { PANEL = 16 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "skinny_tiles.h"
 
-enum { MR = 6, KC = 256, PACK_ROWS = 64, MC = 96, KC_PACKED = 1536 };
-
-/* 16 floats from src, of which the first n_valid exist (the rest read as zero). */
-static inline void load16(const float *src, int n_valid, __m256 *lo, __m256 *hi) {
-    float row[PANEL] = {0};
-    if (n_valid < PANEL)
-        src = memcpy(row, src, (size_t)n_valid * sizeof(float));
-    *lo = _mm256_loadu_ps(src);
-    *hi = _mm256_loadu_ps(src + 8);
-}
-
-/* The first n_valid of 16 floats to dst. */
-static inline void store16(float *dst, int n_valid, __m256 lo, __m256 hi) {
-    if (n_valid == PANEL) {
-        _mm256_storeu_ps(dst, lo);
-        _mm256_storeu_ps(dst + 8, hi);
-        return;
-    }
-    float row[PANEL];
-    _mm256_storeu_ps(row, lo);
-    _mm256_storeu_ps(row + 8, hi);
-    memcpy(dst, row, (size_t)n_valid * sizeof(float));
-}
-
-/* Adds (first: stores) the mr x 16 block of x[0..mr) . panel[0..kc) to y; bias (at the last k
- * block only) is added too. x is a packed group: row i's input t at x[t * MR + i]. mr is a constant
- * at each call, so the accumulators stay in registers; only n_valid of the 16 features are written. */
-static inline __attribute__((always_inline)) void tile(const float *x, int mr,
-                                                       const void *panel, int64_t kc, float *y,
-                                                       int64_t y_stride, int n_valid, int first,
-                                                       const float *bias, const int W16) {
-    __m256 lo[MR], hi[MR];
-#pragma GCC unroll 6
-    for (int i = 0; i < mr; i++)
-        lo[i] = hi[i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < kc; t++) {
-        __m256 w0, w1;
-        if (W16) {  /* bf16 is the top half of an fp32: interleave each under a zero half */
-            __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + t * PANEL));
-            w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w));
-            w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
-        } else {
-            w0 = _mm256_loadu_ps((const float *)panel + t * PANEL);
-            w1 = _mm256_loadu_ps((const float *)panel + t * PANEL + 8);
-        }
-#pragma GCC unroll 6
-        for (int i = 0; i < mr; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + t * MR + i);
-            lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
-            hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
-        }
-    }
-#pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
-        float *out = y + i * y_stride;
-        __m256 add_lo, add_hi;
-        if (!first) {
-            load16(out, n_valid, &add_lo, &add_hi);
-            lo[i] = _mm256_add_ps(lo[i], add_lo);
-            hi[i] = _mm256_add_ps(hi[i], add_hi);
-        }
-        if (bias) {
-            load16(bias, n_valid, &add_lo, &add_hi);
-            lo[i] = _mm256_add_ps(lo[i], add_lo);
-            hi[i] = _mm256_add_ps(hi[i], add_hi);
-        }
-        store16(out, n_valid, lo[i], hi[i]);
-    }
-}
+enum { KC = 256, PACK_ROWS = 64, MC = 96, KC_PACKED = 1536 };
 
 /* The rows of tile g of m rows: ceil(m / MR) tiles as even as they divide (7 rows: 3 + 4, 8: 4 + 4,
  * 13: 4 + 4 + 5), not MR each and the rest last. A tile of r rows keeps 2r FMA chains, and 2-6
@@ -125,12 +57,12 @@ static inline __attribute__((always_inline)) void rows_by_panel(const float *x, 
         const float *xr = x + g * mr_step;
         float *yr = y + r0 * y_stride;
         switch (mr) {
-        case 1: tile(xr, 1, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
-        case 2: tile(xr, 2, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
-        case 3: tile(xr, 3, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
-        case 4: tile(xr, 4, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
-        case 5: tile(xr, 5, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
-        default: tile(xr, MR, panel, kc, yr, y_stride, n_valid, first, bias, W16); break;
+        case 1: tile(xr, 1, panel, 0, kc, yr, y_stride, n_valid, first, bias, W16, 1); break;
+        case 2: tile(xr, 2, panel, 0, kc, yr, y_stride, n_valid, first, bias, W16, 1); break;
+        case 3: tile(xr, 3, panel, 0, kc, yr, y_stride, n_valid, first, bias, W16, 1); break;
+        case 4: tile(xr, 4, panel, 0, kc, yr, y_stride, n_valid, first, bias, W16, 1); break;
+        case 5: tile(xr, 5, panel, 0, kc, yr, y_stride, n_valid, first, bias, W16, 1); break;
+        default: tile(xr, MR, panel, 0, kc, yr, y_stride, n_valid, first, bias, W16, 1); break;
         }
     }
 }
@@ -218,15 +150,20 @@ static inline __attribute__((always_inline)) int linear(const float *x, int64_t 
         for (int64_t g = 0; g < groups; g++)
             pack_tile(x, x_stride, 0, m, g, 0, k, packed + g * MR * k);
         /* (the loop's barrier: every group packed) panels claimed two at a time: see packed_rows */
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t p = 0; p < num_panels; p++) {
-            int64_t n0 = p * PANEL;
-            int n_valid = n - n0 < PANEL ? (int)(n - n0) : PANEL;
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                int64_t kc = k - k0 < KC ? k - k0 : KC;
-                const float *b = bias && k0 + kc == k ? bias + n0 : 0;
-                rows_by_panel(packed + k0 * MR, MR * k, m, (const char *)panels + (p * k + k0) * PANEL * bytes,
-                              kc, y + n0, n, n_valid, k0 == 0, b, W16);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p0 = 0; p0 < num_panels; p0 += 2) {
+            const int pair = m <= 2 && p0 + 1 < num_panels;  /* one or two rows: both panels in one tile */
+            for (int64_t p = p0; p < p0 + 2 && p < num_panels; p += 1 + pair) {
+                int64_t n0 = p * PANEL, n1 = n0 + (1 + pair) * PANEL;
+                int n_valid = n < n1 ? (int)(n - n1 + PANEL) : PANEL;  /* of the last panel */
+                for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                    int64_t kc = k - k0 < KC ? k - k0 : KC;
+                    const float *b = bias && k0 + kc == k ? bias + n0 : 0, *xk = packed + k0 * MR;
+                    const char *panel = (const char *)panels + (p * k + k0) * PANEL * bytes;
+                    if (!pair) rows_by_panel(xk, MR * k, m, panel, kc, y + n0, n, n_valid, k0 == 0, b, W16);
+                    else if (m == 1) tile(xk, 1, panel, k * PANEL * bytes, kc, y + n0, n, n_valid, k0 == 0, b, W16, 2);
+                    else tile(xk, 2, panel, k * PANEL * bytes, kc, y + n0, n, n_valid, k0 == 0, b, W16, 2);
+                }
             }
         }
     }
