@@ -13,7 +13,7 @@
  * read), then the threads claim panels two at a time; for each block of KC inputs, the panel's
  * block (16 KB) stays in L1 while every tile of x passes over it. W is read from memory once per
  * call. More rows: the threads claim blocks of at most MC rows, copy each block of KC_PACKED
- * inputs of them into their own buffer as [k][MR] per MR rows (one k of a tile is then one 24-byte
+ * inputs of them into their own buffer as [k][MR] per tile (one k of a tile is then one 24-byte
  * read, and the block stays in L2), and run every panel over it. Claimed work, not fixed shares: a
  * thread whose core another process takes holds the call up by a block, not by half of it
  * (docs/benchmarks.md, "Work the threads claim as they go"). On the default model's shapes at 2048
