@@ -7,7 +7,8 @@
  * as [k][16], so one k of a panel is two 8-lane vectors (skinny_pack in layers/skinny.py writes it).
  * Each tile keeps MR rows x 16 outputs in 12 registers and broadcasts one x element per row and k:
  * 12 FMAs per two weight loads (skinny_tiles.h; the rows split into tiles as evenly as they divide,
- * and one or two rows take two panels at once, so that every tile keeps 8 or more FMAs in flight).
+ * and one or two rows take two panels at once, so that few tiles keep fewer than 8 FMA chains: a
+ * tile of 3 rows keeps 6, and a lone panel of one or two rows 2 or 4).
  *
  * Up to PACK_ROWS rows: x is packed once as [k][MR] per tile (one k of a tile is one 24-byte
  * read), then the threads claim panels two at a time; for each block of KC inputs, the panel's
@@ -90,9 +91,9 @@ static void pack_rows(const float *x, int64_t x_stride, int64_t m0, int64_t m1, 
 /* The path for more than PACK_ROWS rows (see the top of the file). The threads claim blocks of at
  * most MC rows one at a time, so that one whose core another process takes for a while (the
  * frontend, the scheduler) holds up the call by a block instead of half of it; the block count is
- * a multiple of the thread count and the blocks differ by at most one group of MR rows, so that
- * on a quiet machine each thread gets as many rows (2048 rows: 22 blocks of 90-96, not 21 of 96
- * and one of 32). */
+ * a multiple of the thread count (unless there are fewer groups of MR rows than that) and the
+ * blocks' group counts differ by at most one, so that on a quiet machine each thread gets about as
+ * many rows (2048 rows: 22 blocks of 90-96, not 21 of 96 and one of 32). */
 static inline __attribute__((always_inline)) int packed_rows(const float *x, int64_t x_stride,
                                                              const void *panels, const float *bias,
                                                              float *y, int64_t m, int64_t n, int64_t k,
