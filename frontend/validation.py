@@ -120,9 +120,9 @@ def _completion_job(request: CompletionRequest, prompt: Any, prompt_ids: list[in
     echo_logprobs = logprobs if request.echo else -1
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": max(echo_logprobs, prompt_logprobs)}
     max_tokens = 1 if echo_only else or_default(request.max_tokens, default_max_tokens)
-    job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar, bad_words=bad_words)
-    return dataclasses.replace(job, echo_only=echo_only,
-                               prompt_logprobs=prompt_logprobs if prompt_logprobs >= 0 else echo_logprobs)
+    job = _job(request, prompt_ids, max_tokens, limits, logprob_fields, echo_text, grammar, bad_words=bad_words,
+               prompt_logprobs=prompt_logprobs if prompt_logprobs >= 0 else echo_logprobs)
+    return dataclasses.replace(job, echo_only=True) if echo_only else job
 
 
 def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
@@ -158,9 +158,9 @@ def chat_job(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: Model
     logprobs = max(top_logprobs, 0) if request.logprobs else -1
     prompt_logprobs = _check_prompt_logprobs(request)
     logprob_fields = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
-    job = _job(request, prompt_ids, or_default(max_tokens, room), limits, logprob_fields,
-               grammar=grammar, tool_choice=tool_choice, bad_words=bad_words_token_ids(request.bad_words, tokenizer))
-    return dataclasses.replace(job, prompt_logprobs=prompt_logprobs)
+    return _job(request, prompt_ids, or_default(max_tokens, room), limits, logprob_fields, grammar=grammar,
+                tool_choice=tool_choice, bad_words=bad_words_token_ids(request.bad_words, tokenizer),
+                prompt_logprobs=prompt_logprobs)
 
 
 def _prompts(prompt: Any, n: int) -> list[Any]:
@@ -270,8 +270,9 @@ def _check_prompt_fits(prompt_ids: list[int], max_tokens: int | None, limits: Mo
 def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits: ModelLimits,
          logprob_fields: dict[str, int], echo_text: str | None = None,
          grammar: GrammarSpec | None = None, tool_choice: ToolChoice = ToolChoice("none"),
-         bad_words: tuple[tuple[int, ...], ...] = ()) -> GenerationJob:
-    """`bad_words`: the request's, as bad_words_token_ids read them."""
+         bad_words: tuple[tuple[int, ...], ...] = (), prompt_logprobs: int = -1) -> GenerationJob:
+    """`bad_words`: the request's, as bad_words_token_ids read them. `prompt_logprobs`: the top k
+    the response shows (logprob_fields' is what the engine computes, which may be more)."""
     stream_options = request.stream_options
     if stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
@@ -287,6 +288,7 @@ def _job(request: SamplingFields, prompt_ids: list[int], max_tokens: int, limits
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         include_stop_str=request.include_stop_str_in_output,
         echo_text=echo_text,
+        prompt_logprobs=prompt_logprobs,
         grammar=grammar,
         tool_choice=tool_choice,
     )
