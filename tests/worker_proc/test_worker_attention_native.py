@@ -11,40 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_plans import BlockPool, Seq, make_plan, tiny_engine_config
+from attention_steps import LEVELS, MACHINE, NUM_BLOCKS, load, mixed_plan, prefill_plan, run_step
+from worker_plans import tiny_engine_config
 
 from proto.config import EngineConfig
 from proto.errors import ValidationError
 from proto.messages import StepPlan
-from deploy.cpu_isa import cpu_isa, rank, read_cpu_flags
-from worker_proc.attention import AttentionBackend, AttentionBackendError, AttentionShape, attention_backend_for
+from worker_proc.attention import AttentionBackendError, AttentionShape, attention_backend_for
 from worker_proc.attention import native_kernel as native
 from worker_proc.attention.native import BF16_SDPA_MIN_TOKENS, NativeMetadata, NativePagedAttention
 from worker_proc.attention.reference import TorchPagedAttention
 from worker_proc.batch import build_step_batch
 from worker_proc.runner import ModelRunner
 
-NUM_BLOCKS = 64
-
-
-MACHINE = cpu_isa(read_cpu_flags())
-# Every ISA level this CPU can run, as the kernel is built for it ("" = -march=native), with the
-# path its fp32 and bf16 variants take for head_dim 64.
-LEVELS = ["", *(level for level in ("baseline", "avx2", "avx512", "avx512_bf16")
-                if rank(level) <= rank(MACHINE.detected))]
+# Each ISA level's path for head_dim 64 (fp32, bf16).
 EXPECTED_PATHS = {"baseline": ("portable", "portable"), "avx2": ("avx2", "avx2"),
                   "avx512": ("avx512", "avx2"), "avx512_bf16": ("avx512", "avx512"),
                   "amx": ("avx512", "avx512")}
 # The block path of a prefill chunk's queries, fp32 and bf16, head_dim 64.
 EXPECTED_BLOCK_PATHS = {"baseline": ("none", "none"), "avx2": ("avx2", "avx2"), "avx512": ("avx512", "avx2"),
                         "avx512_bf16": ("avx512", "avx512"), "amx": ("avx512", "avx512")}
-
-
-def load(level: str = "") -> native.PagedAttentionKernel:
-    try:
-        return native.load_paged_attention(level)
-    except native.NativeBuildError as error:
-        pytest.skip(f"the native kernel does not build here: {error}")
 
 
 @pytest.fixture(scope="module")
@@ -66,41 +52,6 @@ def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Non
     native.load_native_library.cache_clear()
     yield
     native.load_native_library.cache_clear()
-
-
-def mixed_plan(block_size: int) -> StepPlan:
-    """A fresh prefill, a chunk continuing mid-prompt, and decodes whose contexts (1 to 70 tokens)
-    end inside, exactly at and past block boundaries."""
-    pool = BlockPool(NUM_BLOCKS, block_size=block_size)
-    decodes = [Seq(f"d{n}", list(range(n)), num_computed=n - 1) for n in (1, 17, 16, 33, 70, 5)]
-    seqs = [Seq("fresh", list(range(7))), *decodes[:3], Seq("chunk", list(range(30)), num_computed=9),
-            *decodes[3:]]
-    return make_plan(seqs, [7, 1, 1, 1, 6, 1, 1, 1], pool)
-
-
-def prefill_plan(block_size: int) -> StepPlan:
-    """Prefill chunks only: a fresh prompt over several blocks, chunks continuing a cached prefix from
-    inside a block and from exactly a block boundary, and a two-token chunk ending a prompt."""
-    pool = BlockPool(NUM_BLOCKS, block_size=block_size)
-    seqs = [Seq("fresh", list(range(40))), Seq("mid", list(range(60)), num_computed=13),
-            Seq("boundary", list(range(50)), num_computed=16), Seq("pair", list(range(9)), num_computed=7)]
-    return make_plan(seqs, [40, 30, 20, 2], pool)
-
-
-def run_step(backend: AttentionBackend, plan: StepPlan, block_size: int, dtype: torch.dtype,
-             num_heads: int, num_kv_heads: int, head_dim: int,
-             cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's attention over random caches (of cache_dtype; None: dtype); q, k, v are views of
-    one qkv row as the model's."""
-    meta = build_step_batch(plan, block_size, NUM_BLOCKS, backend).attn
-    generator = torch.Generator().manual_seed(0)
-    num_slots, num_tokens = NUM_BLOCKS * block_size, len(plan.input_ids)
-    k_cache, v_cache = (torch.randn(num_kv_heads, num_slots, head_dim, generator=generator).to(cache_dtype or dtype)
-                        for _ in range(2))
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator).to(dtype)
-    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta)
-    return out, torch.stack([k_cache, v_cache])
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

@@ -47,9 +47,21 @@ def test_block_sizes_are_timed_side_by_side_each_on_its_own_tables(capsys: pytes
         assert set(row["ms"]) == {"block 16", "block 32"} and min(row["ms"].values()) > 0
 
 
+def test_split_positions_are_timed_side_by_side_on_each_build(capsys: pytest.CaptureFixture[str]) -> None:
+    """Decodes of 50 positions: whole (0) and in parts of 16, the same results within rounding."""
+    assert bench_attention.main(["--split-positions", "0,16", "--dtypes", "float32", "--prefill-tokens", "0",
+                                 "--decode-seqs", "2", "--decode-context", "50", "--repeats", "2",
+                                 "--num-threads", "2"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert list(row["ms"]) == [f"{SOURCE_DIR} split 0", f"{SOURCE_DIR} split 16"] and min(row["ms"].values()) > 0
+    assert row["max_abs_diff_from_first"][0] == 0.0 and 0.0 < row["max_abs_diff_from_first"][1] < 1e-5
+    assert bench_attention.main(["--split-positions", "24"]) == 2
+    assert "--split-positions takes 0 or multiples of 16, got '24'" in capsys.readouterr().err
+
+
 def test_a_block_size_that_is_not_a_positive_integer_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_attention.main(["--block-sizes", "16,x"]) == 2
-    assert "--block-sizes takes integers" in capsys.readouterr().err
+    assert "--block-sizes and --split-positions take integers" in capsys.readouterr().err
     assert bench_attention.main(["--block-sizes", "0"]) == 2
     assert "--block-sizes must be >= 1" in capsys.readouterr().err
 
@@ -71,9 +83,9 @@ def test_builds_attend_copies_of_the_caches_each_with_the_same_result(monkeypatc
     seen: list[int] = []
     call = bench_attention.PagedAttentionKernel.__call__
 
-    def counting(self, q, out, k_cache, *rest):
+    def counting(self, q, out, k_cache, *rest, **split):
         seen.append(k_cache.data_ptr())
-        return call(self, q, out, k_cache, *rest)
+        return call(self, q, out, k_cache, *rest, **split)
 
     monkeypatch.setattr(bench_attention.PagedAttentionKernel, "__call__", counting)
     assert bench_attention.main(["--cache-copies", "3", "--dtypes", "float32", "--prefill-tokens", "0",

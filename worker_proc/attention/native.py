@@ -31,6 +31,12 @@ from worker_proc.kv_cache import KVLayout
 # Shortest bf16 chunk that SDPA attends faster than the kernel (SmolLM2's shape, 2 threads: 0.6x at
 # 32 tokens from position 0, 1.1x at 64, 2.4x at 256).
 BF16_SDPA_MIN_TOKENS = 64
+# A decode over more positions than this is attended in parts, which the threads share, and merged
+# (the kernel's split_positions): a lone stream's 3 KV heads would keep one of 2 threads busy twice
+# as long as the other. SmolLM2's shape, 2 threads, from memory: a lone decode's attention 11-15%
+# faster from 600 positions on, and batches of 4-64 decodes within 3%; with parts of 256 such
+# batches were 2-10% slower (docs/benchmarks.md "A lone long decode in parts").
+SPLIT_POSITIONS = 512
 
 
 @dataclass(frozen=True)
@@ -55,14 +61,18 @@ class NativePagedAttention:
     kv_layout = KVLayout.HEADS_MAJOR
 
     def __init__(self, kernel: PagedAttentionKernel, block_size: int,
-                 sdpa_min_tokens: int | None = None, mixed_dtypes: bool = False) -> None:
+                 sdpa_min_tokens: int | None = None, mixed_dtypes: bool = False,
+                 split_positions: int = SPLIT_POSITIONS) -> None:
         """sdpa_min_tokens: chunks of at least this many tokens go to SDPA (None: none do).
         mixed_dtypes: the kernel takes an fp32 model's q over a bf16 cache and writes fp32 (its
-        mixed path, AttentionBackend.mixed_dtypes); else q arrives in the cache's dtype."""
+        mixed path, AttentionBackend.mixed_dtypes); else q arrives in the cache's dtype.
+        split_positions: a decode over more positions is attended in parts (0: never; a multiple of
+        16)."""
         self.kernel = kernel
         self.block_size = block_size
         self.sdpa_min_tokens = sdpa_min_tokens
         self.mixed_dtypes = mixed_dtypes
+        self.split_positions = split_positions
 
     def build_metadata(self, batch: RaggedBatch) -> NativeMetadata:
         members, contexts = batch.token_members, batch.positions + 1
@@ -100,4 +110,4 @@ class NativePagedAttention:
     def _attend(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: NativeMetadata) -> None:
         self.kernel(q, out, k_cache, v_cache, meta.block_tables, meta.token_members, meta.token_context_lens,
-                    self.block_size, torch.get_num_threads())
+                    self.block_size, torch.get_num_threads(), self.split_positions)

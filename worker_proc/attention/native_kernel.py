@@ -26,7 +26,7 @@ __all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "l
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_attend's C signature, in order (csrc/paged_attention.c).
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32,
-             ctypes.c_float, _I32, _I32, ctypes.POINTER(ctypes.c_int64)]
+             ctypes.c_float, _I32, _I32, _I32, ctypes.POINTER(ctypes.c_int64)]
 PATHS = ("portable", "avx2", "avx512")  # paged_attention_path's return values, in order
 BLOCK_PATHS = ("none", "avx2", "avx512")  # paged_attention_block_path's, in order
 # (q's dtype, the caches') -> paged_attend's dtypes argument (enum Dtypes, csrc/paged_attention.h)
@@ -72,9 +72,11 @@ class PagedAttentionKernel:
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, token_members: torch.Tensor, context_lens: torch.Tensor,
-                 block_size: int, num_threads: int) -> None:
+                 block_size: int, num_threads: int, split_positions: int = 0) -> None:
         """Writes every row of out: token t attends to the first context_lens[t] positions of block
-        table row token_members[t].
+        table row token_members[t]. A query attended alone (a decode) over more than split_positions
+        positions (a multiple of 16; 0: never) is attended in parts of that many, by as many threads,
+        and merged: a query's output depends on its context alone, never on the step's other queries.
         q: [num_tokens, num_heads, head_dim], heads contiguous, token rows any stride apart;
         out: the same shape and dtype, contiguous; caches: [num_kv_heads, num_slots, head_dim]
         contiguous, in q's dtype or, under fp32 q, bf16;
@@ -94,10 +96,11 @@ class PagedAttentionKernel:
                               v_cache.data_ptr(), num_slots, block_tables.data_ptr(), block_tables.shape[0],
                               block_tables.shape[1], token_members.data_ptr(), context_lens.data_ptr(),
                               len(q), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5,
-                              _DTYPES[q.dtype, k_cache.dtype], num_threads, ctypes.byref(where))  # checked above
+                              _DTYPES[q.dtype, k_cache.dtype], split_positions, num_threads,
+                              ctypes.byref(where))  # checked above
         if status != 0:
             raise _failure(status, where.value, block_tables, token_members, context_lens, num_slots,
-                           block_size, (num_heads, num_kv_heads, head_dim))
+                           block_size, (num_heads, num_kv_heads, head_dim), split_positions)
 
 
 def _checked(path: int, dtypes: int) -> int:
@@ -136,14 +139,15 @@ def _check_layouts(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
 
 def _failure(status: int, where: int, block_tables: torch.Tensor, token_members: torch.Tensor,
              context_lens: torch.Tensor, num_slots: int, block_size: int,
-             shape: tuple[int, int, int]) -> Exception:
+             shape: tuple[int, int, int], split_positions: int) -> Exception:
     """The exception for paged_attend's nonzero status (enum Status), naming what is at fault."""
     num_seqs, max_blocks = block_tables.shape
     if status == -7:
         return ValueError("native attention: the dtypes argument is not one of enum Dtypes")
     if status == -1:
-        return ValueError(f"native attention: {shape[0]} heads, {shape[1]} KV heads, head_dim {shape[2]} "
-                          f"and block_size {block_size} are not a valid attention shape")
+        return ValueError(f"native attention: {shape[0]} heads, {shape[1]} KV heads, head_dim {shape[2]}, "
+                          f"block_size {block_size} and split_positions {split_positions} (0 or a multiple "
+                          f"of 16) are not a valid attention shape")
     if status == -4:
         return MemoryError("native attention: out of memory for the scores buffer")
     if status == -6:

@@ -49,24 +49,26 @@ ALWAYS_INLINE __m512 qk_tile(const char *keys, const int64_t rows[TILE], const _
     }
     return reduce_tile(v);
 }
-/* p.v for G query heads over head_dim chunks [c0, c0 + CB): out = sum_p probs[p] * V[p] / total */
-ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int stride, const char *values,
+/* p.v for G query heads over positions [begin, n) (position p's probability at p - begin) and
+ * head_dim chunks [c0, c0 + CB): out = sum_p probs[p] * V[p] / total, in the cache's dtype or
+ * (F32_OUT) fp32 */
+ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int begin, int n, int stride, const char *values,
                               const float *scores, const uint16_t *probs, const float *total, void *out_row,
-                              const int G, const int C, const int c0, const int CB, const int BF16) {
+                              const int G, const int C, const int c0, const int CB, const int BF16, const int F32_OUT) {
     const int dim = BF16 ? 32 * C : 16 * C, step = BF16 ? 2 : 1;
     __m512 lo[PV_GROUP][MAX_CHUNKS], hi[PV_GROUP][MAX_CHUNKS];
     int64_t rows[TILE];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < CB; c++) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-    for (int start = 0; start < n; start += TILE) {
+    for (int start = begin; start < n; start += TILE) {
         tile_rows(table, a->block_size, start, n, dim, TILE, rows);
         for (int i = 0; i < TILE && start + i < n; i += step) {
             __m512i weight[MAX_GROUP];
             for (int g = 0; g < G; g++) {  /* bf16: the pair (p[i], p[i + 1]), zero past n */
                 int32_t bits = 0;
-                if (BF16) memcpy(&bits, probs + g * stride + start + i, sizeof bits);
+                if (BF16) memcpy(&bits, probs + g * stride + start - begin + i, sizeof bits);
                 weight[g] = BF16 ? _mm512_set1_epi32(bits)
-                                 : _mm512_castps_si512(_mm512_set1_ps(scores[g * stride + start + i]));
+                                 : _mm512_castps_si512(_mm512_set1_ps(scores[g * stride + start - begin + i]));
             }
             for (int c = c0; c < c0 + CB; c++) {
                 __m512i r0 = _mm512_loadu_si512(values + rows[i] * (BF16 ? 2 : 4) + 64 * c);
@@ -87,13 +89,18 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int st
     }
     for (int g = 0; g < G; g++) {
         __m512 inverse = _mm512_set1_ps(1.0f / total[g]);
-        char *dst = (char *)out_row + g * dim * (BF16 ? 2 : 4);
+        char *dst = (char *)out_row + g * dim * (BF16 && !F32_OUT ? 2 : 4);
         for (int c = c0; c < c0 + CB; c++) {
             __m512 x = lo[g][c - c0], y = hi[g][c - c0];
             if (BF16) {
                 __m512 d0, d1;
                 unpermute_pairs(x, y, &d0, &d1);
-                _mm512_storeu_si512(dst + 64 * c, round_pairs(_mm512_mul_ps(d1, inverse), _mm512_mul_ps(d0, inverse)));
+                if (F32_OUT) {  /* chunk c: dims 32c .. 32c + 31 */
+                    _mm512_storeu_ps(dst + 128 * c, _mm512_mul_ps(d0, inverse));
+                    _mm512_storeu_ps(dst + 128 * c + 64, _mm512_mul_ps(d1, inverse));
+                } else {
+                    _mm512_storeu_si512(dst + 64 * c, round_pairs(_mm512_mul_ps(d1, inverse), _mm512_mul_ps(d0, inverse)));
+                }
             } else {
                 _mm512_storeu_ps(dst + 64 * c, _mm512_mul_ps(x, inverse));
             }
@@ -102,19 +109,38 @@ ALWAYS_INLINE void pv_columns(const Args *a, const int32_t *table, int n, int st
 }
 /* All of head_dim in passes of at most 16 accumulators, so that they stay in registers. */
 ALWAYS_INLINE void pv_heads(
-        const Args *a, const int32_t *table, int n, int stride, const char *values, const float *scores,
-        const uint16_t *probs, const float *total, void *out_row, const int G, const int C, const int BF16) {
+        const Args *a, const int32_t *table, int begin, int n, int stride, const char *values, const float *scores,
+        const uint16_t *probs, const float *total, void *out_row, const int G, const int C, const int BF16,
+        const int F32_OUT) {
     const int per_chunk = BF16 ? 2 * G : G;
     const int CB = per_chunk * C <= 16 ? C : per_chunk * (C / 2) <= 16 ? C / 2
                    : per_chunk * (C / 4) <= 16 ? C / 4 : 1;
     for (int c0 = 0; c0 < C; c0 += CB)
-        pv_columns(a, table, n, stride, values, scores, probs, total, out_row, G, C, c0, CB, BF16);
+        pv_columns(a, table, begin, n, stride, values, scores, probs, total, out_row, G, C, c0, CB, BF16, F32_OUT);
 }
-/* One KV head of one member: G query heads, rows of C 64-byte chunks, bf16 or fp32. */
-ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, float *scores,
+/* The G heads' rows in passes of at most PV_GROUP heads, in the cache's dtype or (F32_OUT) fp32. */
+ALWAYS_INLINE void pv_rows(const Args *a, const int32_t *table, int begin, int n, int stride, const char *values,
+                           const float *scores, const uint16_t *probs, const float *total, char *out, const int G,
+                           const int C, const int BF16, const int F32_OUT) {
+    const int row_bytes = 64 * C * (BF16 && F32_OUT ? 2 : 1);
+    for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
+        int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
+        const float *s = scores + g0 * stride;
+        const uint16_t *p = probs + g0 * stride;
+        char *o = out + g0 * row_bytes;
+        if (heads == 1) pv_heads(a, table, begin, n, stride, values, s, p, total + g0, o, 1, C, BF16, F32_OUT);
+        else if (heads == 2) pv_heads(a, table, begin, n, stride, values, s, p, total + g0, o, 2, C, BF16, F32_OUT);
+        else if (heads == 3) pv_heads(a, table, begin, n, stride, values, s, p, total + g0, o, 3, C, BF16, F32_OUT);
+        else pv_heads(a, table, begin, n, stride, values, s, p, total + g0, o, 4, C, BF16, F32_OUT);
+    }
+}
+/* One part of one member's context against one KV head: G query heads, rows of C 64-byte chunks,
+ * bf16 or fp32. */
+ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, Part part, float *scores,
                                  const int C, const int BF16) {
     const int G = a->num_heads / a->num_kv_heads;
-    const int bytes = BF16 ? 2 : 4, dim = 64 * C / bytes, n = a->context_lens[query], stride = padded(n);
+    const int bytes = BF16 ? 2 : 4, dim = 64 * C / bytes, begin = part.begin, n = part.end;
+    const int stride = padded(n - begin);
     int64_t row = query, head = kv_head * a->num_slots * dim * bytes;
     const char *keys = (const char *)a->k_cache + head, *values = (const char *)a->v_cache + head;
     const char *q = (const char *)a->q + (row * a->q_token_stride + kv_head * G * dim) * bytes;
@@ -128,25 +154,25 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, floa
     }
     int64_t rows[TILE];
     const int row_bytes = dim * bytes;
-    prefetch_positions(a, table, 0, AHEAD, n, keys, row_bytes);
-    prefetch_positions(a, table, 0, AHEAD, n, values, row_bytes);
-    for (int start = 0; start < n; start += TILE) {
+    prefetch_positions(a, table, begin, AHEAD, n, keys, row_bytes);
+    prefetch_positions(a, table, begin, AHEAD, n, values, row_bytes);
+    for (int start = begin; start < n; start += TILE) {
         tile_rows(table, a->block_size, start, n, dim, TILE, rows);
         prefetch_positions(a, table, start + AHEAD, TILE, n, keys, row_bytes);
         prefetch_positions(a, table, start + AHEAD, TILE, n, values, row_bytes);
         for (int g = 0; g < G; g++) {
             __m512 s = _mm512_mul_ps(qk_tile(keys, rows, query_chunks[g], C, BF16), _mm512_set1_ps(a->scale));
             top[g] = _mm512_mask_max_ps(top[g], valid_lanes(start, n), top[g], s);
-            _mm512_storeu_ps(scores + g * stride + start, s);
+            _mm512_storeu_ps(scores + g * stride + start - begin, s);
         }
     }
     uint16_t *probs = (uint16_t *)(scores + G * stride);
     for (int g = 0; g < G; g++) {  /* unnormalised probabilities, zero past n; p.v divides by total */
         __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top[g])), sum = _mm512_setzero_ps();
-        for (int start = 0; start < n; start += TILE) {
+        for (int start = 0; start < n - begin; start += TILE) {
             float *s = scores + g * stride + start;
             __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), max));
-            e = _mm512_maskz_mov_ps(valid_lanes(start, n), e);
+            e = _mm512_maskz_mov_ps(valid_lanes(start, n - begin), e);
             sum = _mm512_add_ps(sum, e);
             _mm512_storeu_ps(s, e);
             if (BF16) {
@@ -155,21 +181,18 @@ ALWAYS_INLINE void attend_vector(const Args *a, int64_t query, int kv_head, floa
             }
         }
         total[g] = _mm512_reduce_add_ps(sum);
+        if (part.partial != NULL)
+            part.partial[G * dim + g] = _mm512_reduce_max_ps(top[g]), part.partial[G * dim + G + g] = total[g];
     }
-    for (int g0 = 0; g0 < G; g0 += PV_GROUP) {
-        int heads = G - g0 < PV_GROUP ? G - g0 : PV_GROUP;
-        void *out_row = (char *)a->out + (row * a->num_heads + kv_head * G + g0) * dim * bytes;
-        const float *s = scores + g0 * stride;
-        const uint16_t *p = probs + g0 * stride;
-        if (heads == 1) pv_heads(a, table, n, stride, values, s, p, total + g0, out_row, 1, C, BF16);
-        else if (heads == 2) pv_heads(a, table, n, stride, values, s, p, total + g0, out_row, 2, C, BF16);
-        else if (heads == 3) pv_heads(a, table, n, stride, values, s, p, total + g0, out_row, 3, C, BF16);
-        else pv_heads(a, table, n, stride, values, s, p, total + g0, out_row, 4, C, BF16);
-    }
+    if (part.partial != NULL)
+        pv_rows(a, table, begin, n, stride, values, scores, probs, total, (char *)part.partial, G, C, BF16, 1);
+    else
+        pv_rows(a, table, begin, n, stride, values, scores, probs, total,
+                (char *)a->out + (row * a->num_heads + kv_head * G) * dim * bytes, G, C, BF16, 0);
 }
 #define VARIANT(C, B) \
-    static void attend_##B##_##C(const Args *a, int64_t m, int h, float *s) {   \
-        attend_vector(a, m, h, s, C, B);                                          \
+    static void attend_##B##_##C(const Args *a, int64_t m, int h, Part part, float *s) {   \
+        attend_vector(a, m, h, part, s, C, B);                                               \
     }
 VARIANT(1, 0) VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0)
 #if defined(__AVX512BF16__)

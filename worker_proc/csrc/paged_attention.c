@@ -2,7 +2,9 @@
  * picks the widest path compiled for (AVX512, AVX2, else portable C), groups consecutive queries of
  * one member into blocks where the path attends blocks, and has the OpenMP threads (torch's own
  * pool once torch is loaded: the same libgomp soname) claim the step's work items, (query block,
- * KV head) pairs, one at a time. Shapes and layouts: paged_attention.h. */
+ * KV head, part) triples, one at a time; a lone query's long context is split into parts that are
+ * merged at the end. Shapes and layouts: paged_attention.h. */
+#include <math.h>
 #include <stdlib.h>
 
 #include "paged_attention.h"
@@ -88,17 +90,125 @@ static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int
     return num_blocks;
 }
 
-/* Writes every row of out. dtypes: enum Dtypes. Returns OK, NO_MEMORY (out incomplete) or, with
- * nothing written: BAD_DTYPES, BAD_SHAPE (heads, head_dim or block_size), BAD_MEMBER (a token's member is not a row of
- * block_tables), BAD_CONTEXT (a context < 1), SHORT_TABLE (a context past its block table) or
- * BAD_BLOCK (a table names a block outside the cache), with *where the token or member at fault. */
+/* The step's work. Query block b is queries starts[b] .. starts[b + 1]; a block of one query over
+ * more than split_positions positions is parts_of[b] > 1 parts of part_positions() each (the last
+ * one shorter), the partials of its KV head h's part p at partials + partial_at[b] + (h *
+ * parts_of[b] + p) * part_floats(), remaining[b] of its items not done yet. items: one per (block,
+ * KV head, part). */
+typedef struct { int64_t block; int kv_head, part; } Item;
+typedef struct {
+    int64_t *starts, num_blocks;             /* [num_blocks + 1] */
+    int *parts_of, *remaining;               /* [num_blocks] each */
+    int64_t *partial_at;                     /* [num_blocks] */
+    Item *items;
+    int64_t num_items;
+    float *partials;
+    int split_positions;
+} Work;
+
+/* Positions per part of a lone query over n positions: the fewest parts of at most split_positions,
+ * as even as a multiple of TILE each allows (n itself: one part). */
+static int part_positions(int n, int split_positions) {
+    if (split_positions == 0 || n <= split_positions) return n;
+    int parts = (n + split_positions - 1) / split_positions;
+    return padded((n + parts - 1) / parts);
+}
+
+static void free_work(Work *w) {
+    free(w->starts), free(w->parts_of), free(w->remaining), free(w->partial_at), free(w->items), free(w->partials);
+}
+
+/* Fills w (free_work frees it, on failure too). A block's items run from its last part to its first,
+ * so that the threads, claiming from the end, take the full parts before the short last one. */
+static int plan_work(const Args *a, int64_t num_tokens, int per_block, int split_positions, Work *w) {
+    w->split_positions = split_positions;
+    if ((w->starts = malloc(((size_t)num_tokens + 1) * sizeof *w->starts)) == NULL) return NO_MEMORY;
+    int64_t blocks = w->num_blocks = make_blocks(a, num_tokens, per_block, w->starts), floats = 0;
+    w->parts_of = malloc((size_t)blocks * sizeof *w->parts_of + 1);
+    w->partial_at = malloc((size_t)blocks * sizeof *w->partial_at + 1);
+    w->remaining = malloc((size_t)blocks * sizeof *w->remaining + 1);
+    if (w->parts_of == NULL || w->partial_at == NULL || w->remaining == NULL) return NO_MEMORY;
+    const int64_t per_part = part_floats(a->num_heads / a->num_kv_heads, a->head_dim);
+    for (int64_t b = 0; b < blocks; b++) {
+        int n = a->context_lens[w->starts[b]], lone = w->starts[b + 1] - w->starts[b] == 1;
+        int size = lone ? part_positions(n, split_positions) : n, parts = (n + size - 1) / size;
+        w->parts_of[b] = parts, w->partial_at[b] = floats, w->remaining[b] = parts * a->num_kv_heads;
+        if (parts > 1) floats += parts * a->num_kv_heads * per_part;
+        w->num_items += (int64_t)parts * a->num_kv_heads;
+    }
+    w->items = malloc((size_t)w->num_items * sizeof *w->items + 1);
+    w->partials = malloc((size_t)floats * sizeof *w->partials + 1);
+    if (w->items == NULL || w->partials == NULL) return NO_MEMORY;
+    int64_t i = 0;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int part = w->parts_of[b] - 1; part >= 0; part--)
+            for (int h = 0; h < a->num_kv_heads; h++) w->items[i++] = (Item){b, h, part};
+    return OK;
+}
+
+/* The positions a lone query's item attends, and where it writes (Part). */
+static Part part_of(const Work *w, Item item, int n, int group, int head_dim) {
+    int parts = w->parts_of[item.block], size = part_positions(n, w->split_positions), begin = item.part * size;
+    if (parts == 1) return (Part){0, n, NULL};
+    float *partial = w->partials + w->partial_at[item.block]
+                     + ((int64_t)item.kv_head * parts + item.part) * part_floats(group, head_dim);
+    return (Part){begin, begin + size < n ? begin + size : n, partial};
+}
+
+/* Counts one finished item of split block b: true for its last, whose thread then merges the parts
+ * (seq_cst: the partials the other threads wrote are visible to it). */
+static int last_of_block(Work *w, int64_t b) {
+    int left;
+#pragma omp atomic capture seq_cst
+    left = --w->remaining[b];
+    return left == 0;
+}
+
+/* Writes out's rows of split block b's query: per query head, its parts' rows weighted by each
+ * part's sum of exp(score - the largest score of all parts). */
+static void merge_parts(const Args *a, const Work *w, int64_t b) {
+    const int G = a->num_heads / a->num_kv_heads, dim = a->head_dim, parts = w->parts_of[b];
+    const int64_t query = w->starts[b], per_part = part_floats(G, dim);
+    float acc[dim];
+    for (int h = 0; h < a->num_kv_heads; h++) {
+        const float *first = w->partials + w->partial_at[b] + (int64_t)h * parts * per_part;
+        for (int g = 0; g < G; g++) {
+            float top = -INFINITY, total = 0.0f;
+            for (int p = 0; p < parts; p++) top = fmaxf(top, first[p * per_part + G * dim + g]);
+            memset(acc, 0, sizeof acc);
+            for (int p = 0; p < parts; p++) {
+                const float *part = first + p * per_part;
+                float weight = part[G * dim + G + g] * expf(part[G * dim + g] - top);
+                total += weight;
+                for (int d = 0; d < dim; d++) acc[d] += weight * part[g * dim + d];
+            }
+            int64_t dst = (query * a->num_heads + h * G + g) * dim;
+            for (int d = 0; d < dim; d++) {
+                if (a->q_bf16) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[d] / total);
+                else ((float *)a->out)[dst + d] = acc[d] / total;
+            }
+        }
+    }
+}
+
+/* Writes every row of out. dtypes: enum Dtypes. A query attended on its own (a decode) over more
+ * than split_positions positions (0: never) is split into parts of split_positions (a multiple of
+ * TILE), each its own work item, merged once all are done: a lone long decode keeps every thread
+ * busy. The split depends on the query's context alone, so a query's output does not depend on the
+ * step's other queries or on the thread count. Returns OK, NO_MEMORY (out incomplete) or, with
+ * nothing written: BAD_DTYPES, BAD_SHAPE (heads, head_dim, block_size or split_positions),
+ * BAD_MEMBER (a token's member is not a row of block_tables), BAD_CONTEXT (a context < 1),
+ * SHORT_TABLE (a context past its block table) or BAD_BLOCK (a table names a block outside the
+ * cache), with *where the token or member at fault. */
 int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
                  int64_t num_slots, const int32_t *block_tables, int64_t num_seqs, int64_t max_blocks,
                  const int32_t *token_members, const int32_t *context_lens, int64_t num_tokens,
                  int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtypes,
-                 int num_threads, int64_t *where) {
+                 int split_positions, int num_threads, int64_t *where) {
     if (!valid_dtypes(dtypes)) return BAD_DTYPES;
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return BAD_SHAPE;
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1 || split_positions < 0
+            || split_positions % TILE)
+        return BAD_SHAPE;
     Args args = {q, q_token_stride, out, k_cache, v_cache, num_slots, block_tables, max_blocks,
                  token_members, context_lens, num_heads, num_kv_heads, head_dim, block_size,
                  dtypes != ALL_F32, dtypes == ALL_BF16, scale};
@@ -110,17 +220,19 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     int per_block = 1;
     AttendBlock attend_block = block_for(path_for((enum Dtypes)dtypes, group, head_dim, &attend), (enum Dtypes)dtypes,
                                          group, head_dim, &per_block);
-    int64_t *starts = malloc(((size_t)num_tokens + 1) * sizeof *starts);
-    if (starts == NULL) return NO_MEMORY;
-    int64_t items = make_blocks(&args, num_tokens, per_block, starts) * num_kv_heads;
+    Work work = {0};
+    if (plan_work(&args, num_tokens, per_block, split_positions, &work) != OK) {
+        free_work(&work);
+        return NO_MEMORY;
+    }
     num_threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
-    if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
+    if (num_threads > work.num_items) num_threads = work.num_items > 0 ? (int)work.num_items : 1;
     size_t scores_bytes = (size_t)group * (size_t)padded(max_context) * (sizeof(float) + sizeof(uint16_t));
     if (attend_block != NULL && block_scratch_bytes(max_context) > scores_bytes) scores_bytes = block_scratch_bytes(max_context);
-    /* The threads claim items one at a time (item i: query block i / num_kv_heads, KV head
-     * i % num_kv_heads), last first: a chunk's later queries attend to more positions, so the
-     * heaviest go first and the short ones even out the end; and a thread whose core another
-     * process takes for a while (the frontend, the scheduler) holds up the call by one item. */
+    /* The threads claim items one at a time, last first: a chunk's later queries attend to more
+     * positions, so the heaviest go first and the short ones even out the end; and a thread whose
+     * core another process takes for a while (the frontend, the scheduler) holds up the call by
+     * one item. A split query's parts are merged by the thread that finishes its last one. */
     int64_t claimed = 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -131,15 +243,17 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
             int64_t i;
 #pragma omp atomic capture
             i = claimed++;
-            i = items - 1 - i;
+            i = work.num_items - 1 - i;
             if (i < 0) break;
-            int64_t b = i / num_kv_heads, query = starts[b];
-            int count = (int)(starts[b + 1] - query);
-            if (count > 1) attend_block(&args, query, count, (int)(i % num_kv_heads), scores);
-            else attend(&args, query, (int)(i % num_kv_heads), scores);
+            Item item = work.items[i];
+            int64_t query = work.starts[item.block];
+            int count = (int)(work.starts[item.block + 1] - query);
+            if (count > 1) attend_block(&args, query, count, item.kv_head, scores);
+            else attend(&args, query, item.kv_head, part_of(&work, item, context_lens[query], group, head_dim), scores);
+            if (work.parts_of[item.block] > 1 && last_of_block(&work, item.block)) merge_parts(&args, &work, item.block);
         }
         free(scores);
     }
-    free(starts);
+    free_work(&work);
     return failed ? NO_MEMORY : OK;
 }

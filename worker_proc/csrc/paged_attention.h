@@ -41,9 +41,16 @@ typedef struct {
  * passes (native_kernel._DTYPES). */
 enum Dtypes { ALL_F32 = 0, ALL_BF16 = 1, F32_OVER_BF16 = 2 };
 
-/* One (query, KV head) work item. scores: float [group][stride] then bf16 [group][stride], stride =
- * the query's context rounded up to TILE. */
-typedef void (*Attend)(const Args *, int64_t query, int kv_head, float *scores);
+/* Which positions of a query's context one work item attends, [begin, end), and where it writes.
+ * partial NULL: the whole context, into out. Else a part of a lone query's long context (begin a
+ * multiple of TILE): its group's rows normalised over the part alone, fp32 [group][head_dim], then
+ * each row's largest score [group] and sum of exp(score - largest) [group]: part_floats() in all,
+ * which the driver merges into out once every part is done. */
+typedef struct { int begin, end; float *partial; } Part;
+static inline int64_t part_floats(int group, int head_dim) { return (int64_t)group * (head_dim + 2); }
+/* One (query, KV head, part) work item. scores: float [group][stride] then bf16 [group][stride],
+ * stride = the part's positions rounded up to TILE. */
+typedef void (*Attend)(const Args *, int64_t query, int kv_head, Part part, float *scores);
 /* One (block of count consecutive queries of one member, KV head) work item, count * group <=
  * BLOCK_ROWS: each K/V row is read from memory once for the whole block rather than once per query (a
  * prefill chunk's queries share their prefix). scratch: block_scratch_bytes(the block's longest
@@ -59,7 +66,7 @@ static inline size_t block_scratch_bytes(int max_context) {  /* scores, output r
     size_t positions = ((size_t)max_context + WIDE_BLOCK_TILE - 1) / WIDE_BLOCK_TILE * WIDE_BLOCK_TILE;  /* a multiple of both tiles */
     return (positions * WIDE_BLOCK_ROWS + WIDE_BLOCK_ROWS * MAX_HEAD_DIM) * sizeof(float) + positions * sizeof(int64_t);
 }
-void attend_portable(const Args *a, int64_t query, int kv_head, float *scores);
+void attend_portable(const Args *a, int64_t query, int kv_head, Part part, float *scores);
 
 static inline int padded(int n) { return (n + TILE - 1) / TILE * TILE; }
 static inline const int32_t *table_of(const Args *a, int64_t query) {

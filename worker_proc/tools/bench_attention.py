@@ -28,6 +28,12 @@ member's blocks consecutive, the three alternating, over several copies of the c
 
     python -m worker_proc.tools.bench_attention --block-sizes 16,32,64 --dtypes bfloat16
 
+With --split-positions, each build runs once per value (a decode over more positions is attended
+in parts that the threads share; 0: never), the values alternating as builds do:
+
+    python -m worker_proc.tools.bench_attention --split-positions 0,256,512 --decode-seqs 1 \
+        --decode-context 4000 --prefill-tokens 0 --cache-copies 30
+
 With --block-sizes, the first build runs each case once per KV block size (its own tables and
 caches), the block sizes alternating, each call on the next of --cache-copies copies of that
 size's caches: a longer block is a longer run of memory per KV head.
@@ -37,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,12 +55,14 @@ import torch
 
 from proto.config import CPU_ISAS
 from worker_proc.attention.native_build import SOURCE_DIR, build
+from worker_proc.attention.native import SPLIT_POSITIONS
 from worker_proc.attention.native_kernel import PagedAttentionKernel
 
 # --dtypes names -> (q's dtype, the caches'): the last is an fp32 model over a bf16 cache (the mixed path)
 DTYPES = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.bfloat16),
           "float32-over-bfloat16": (torch.float32, torch.bfloat16)}
 Case = tuple[torch.Tensor, ...]  # q, out, k_cache, v_cache, block_tables, token_members, context_lens
+Attend = Callable[..., None]  # a build's PagedAttentionKernel with its split_positions bound
 
 
 def make_case(kind: str, args: argparse.Namespace, dtypes: tuple[torch.dtype, torch.dtype]) -> Case:
@@ -74,7 +84,7 @@ def make_case(kind: str, args: argparse.Namespace, dtypes: tuple[torch.dtype, to
     return q, torch.empty_like(q), k_cache, v_cache, block_tables, token_members, context_lens
 
 
-def time_builds(kernels: list[PagedAttentionKernel], case: Case, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+def time_builds(kernels: list[Attend], case: Case, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """Each build's fastest call in seconds (a round of args.cache_copies calls, one on each copy of
     the caches, divided by their number), and its largest difference from the first build's output."""
     q, out, k_cache, v_cache, block_tables, token_members, context_lens = case
@@ -122,7 +132,7 @@ def served_cases(path: Path, args: argparse.Namespace,
     return steps
 
 
-def time_alternating(kernels: list[PagedAttentionKernel], cases: dict[str, tuple[Case, int]],
+def time_alternating(kernels: list[Attend], cases: dict[str, tuple[Case, int]],
                      args: argparse.Namespace) -> list[dict[str, float]]:
     """Per build, each case's fastest call in ms, the cases (each with its block size) and the
     builds alternating, each call on the next of args.cache_copies copies of that case's caches (so
@@ -145,13 +155,13 @@ def time_alternating(kernels: list[PagedAttentionKernel], cases: dict[str, tuple
     return [{name: round(seconds * 1e3, 3) for name, seconds in fastest.items()} for fastest in best]
 
 
-def time_layouts(kernels: list[PagedAttentionKernel], cases: dict[str, Case],
+def time_layouts(kernels: list[Attend], cases: dict[str, Case],
                  args: argparse.Namespace) -> list[dict[str, float]]:
     """Per build, each layout's fastest call in ms (time_alternating, every layout of args.block_size)."""
     return time_alternating(kernels, {layout: (case, args.block_size) for layout, case in cases.items()}, args)
 
 
-def time_block_sizes(kernel: PagedAttentionKernel, kind: str, dtypes: tuple[torch.dtype, torch.dtype],
+def time_block_sizes(kernel: Attend, kind: str, dtypes: tuple[torch.dtype, torch.dtype],
                      args: argparse.Namespace) -> dict[str, float]:
     """The case of this kind once per block size of args.block_sizes, alternating (time_alternating)."""
     cases = {}
@@ -186,13 +196,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="copies of each case's caches that the calls attend in turn, as a step's layers "
                              "do (default: 1, the same caches, comparing builds; 4 with --decode-tables or "
                              "--block-sizes)")
+    parser.add_argument("--split-positions", default=str(SPLIT_POSITIONS),
+                        help="comma-separated: a decode over more positions is attended in parts (0: never); "
+                             "each build runs with each value (default: the served one)")
     parser.add_argument("--block-sizes", default="",
                         help="comma-separated KV block sizes: time the first build at each, alternating")
     args = parser.parse_args(argv)
     try:
         args.block_sizes = [int(part) for part in args.block_sizes.split(",") if part]
+        splits = [int(part) for part in args.split_positions.split(",") if part]
     except ValueError:
-        print(f"bench_attention: --block-sizes takes integers, got {args.block_sizes!r}", file=sys.stderr)
+        print(f"bench_attention: --block-sizes and --split-positions take integers, got "
+              f"{args.block_sizes!r} and {args.split_positions!r}", file=sys.stderr)
+        return 2
+    if not splits or any(n < 0 or n % 16 for n in splits):
+        print(f"bench_attention: --split-positions takes 0 or multiples of 16, got {args.split_positions!r}",
+              file=sys.stderr)
         return 2
     unknown = [name for name in args.dtypes.split(",") if name not in DTYPES]
     if unknown:
@@ -211,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     sources = [Path(part) for part in args.sources.split(",") if part]
     kernels = [PagedAttentionKernel(ctypes.CDLL(str(build(cpu_isa=args.cpu_isa, source_dir=s))), s, None)
                for s in sources]
+    builds = [(f"{s}" if len(splits) == 1 else f"{s} split {n}", k) for s, k in zip(sources, kernels) for n in splits]
+    calls = [functools.partial(k, split_positions=n) for k in kernels for n in splits]
     older = [str(s) for s, k in zip(sources, kernels) if not k.takes_mixed_dtypes]
     if older and any(DTYPES[name][0] != DTYPES[name][1] for name in args.dtypes.split(",")):
         print(f"bench_attention: {', '.join(older)} predate fp32 q over a bf16 cache; leave "
@@ -224,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_attention: {args.decode_tables}: {exc}", file=sys.stderr)
                 return 2
             for label, cases in steps:
-                for source, ms in zip(sources, time_layouts(kernels, cases, args)):
-                    print(json.dumps({"dtype": dtype_name, "case": label, "build": str(source), "ms": ms}), flush=True)
+                for (build_label, _), ms in zip(builds, time_layouts(calls, cases, args)):
+                    print(json.dumps({"dtype": dtype_name, "case": label, "build": build_label, "ms": ms}), flush=True)
         return 0
     rows = []
     for dtype_name in args.dtypes.split(","):
@@ -234,16 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # --prefill-tokens 0 or --decode-seqs 0: that case is not run
             if args.block_sizes:
                 print(json.dumps({"dtype": dtype_name, "case": kind,
-                                  "ms": time_block_sizes(kernels[0], kind, DTYPES[dtype_name], args)}), flush=True)
+                                  "ms": time_block_sizes(calls[0], kind, DTYPES[dtype_name], args)}), flush=True)
                 continue
-            best, diffs = time_builds(kernels, make_case(kind, args, DTYPES[dtype_name]), args)
+            best, diffs = time_builds(calls, make_case(kind, args, DTYPES[dtype_name]), args)
             group = args.num_heads // args.num_kv_heads
             rows.append({"dtype": dtype_name, "case": kind,
-                         "ms": {str(s): round(b * 1e3, 2) for s, b in zip(sources, best)},
+                         "ms": {label: round(b * 1e3, 3) for (label, _), b in zip(builds, best)},
                          "max_abs_diff_from_first": diffs,
-                         "path": {str(s): k.code_path(DTYPES[dtype_name][0], group, args.head_dim,
-                                                      DTYPES[dtype_name][1])
-                                  for s, k in zip(sources, kernels)}})
+                         "path": {label: k.code_path(DTYPES[dtype_name][0], group, args.head_dim,
+                                                     DTYPES[dtype_name][1])
+                                  for label, k in builds}})
             print(json.dumps(rows[-1]), flush=True)
     return 0
 
