@@ -192,10 +192,10 @@ static void merge_parts(const Args *a, const Work *w, int64_t b) {
 }
 
 /* Writes every row of out. dtypes: enum Dtypes. A query attended on its own (a decode) over more
- * than split_positions positions (0: never) is split into parts of split_positions (a multiple of
- * TILE), each its own work item, merged once all are done: a lone long decode keeps every thread
- * busy. The split depends on the query's context alone, so a query's output does not depend on the
- * step's other queries or on the thread count. Returns OK, NO_MEMORY (out incomplete) or, with
+ * than split_positions positions (a multiple of TILE; 0: never) is split into parts of at most that
+ * many (part_positions), each its own work item, and the thread that finishes its last part merges
+ * them: a lone long decode keeps every thread busy. The split depends on the query's context
+ * alone, so a query's output depends neither on the step's other queries nor on the thread count. Returns OK, NO_MEMORY (out incomplete) or, with
  * nothing written: BAD_DTYPES, BAD_SHAPE (heads, head_dim, block_size or split_positions),
  * BAD_MEMBER (a token's member is not a row of block_tables), BAD_CONTEXT (a context < 1),
  * SHORT_TABLE (a context past its block table) or BAD_BLOCK (a table names a block outside the
