@@ -191,6 +191,26 @@ static void merge_parts(const Args *a, const Work *w, int64_t b) {
     }
 }
 
+/* The next item for this thread (-1: none left), last first. */
+static int64_t claim(int64_t *claimed, int64_t num_items) {
+    int64_t i;
+#pragma omp atomic capture
+    i = (*claimed)++;
+    return num_items - 1 - i;
+}
+
+/* Asks for the K and V rows of the first AHEAD positions an item reads, into L2, so that its first
+ * tiles do not wait on memory as the item before it on this thread computes. */
+static void prefetch_item(const Args *a, const Work *w, Item item) {
+    int64_t query = w->starts[item.block];
+    int n = a->context_lens[query], begin = w->parts_of[item.block] > 1 ? item.part * part_positions(n, w->split_positions) : 0;
+    int row_bytes = a->head_dim * (a->bf16 ? 2 : 4);
+    int64_t head = (int64_t)item.kv_head * a->num_slots * row_bytes;
+    const int32_t *table = table_of(a, query);
+    prefetch_positions(a, table, begin, AHEAD, n, (const char *)a->k_cache + head, row_bytes);
+    prefetch_positions(a, table, begin, AHEAD, n, (const char *)a->v_cache + head, row_bytes);
+}
+
 /* Writes every row of out. dtypes: enum Dtypes. A query attended on its own (a decode) over more
  * than split_positions positions (a multiple of TILE; 0: never) is split into parts of at most that
  * many (part_positions), each its own work item, and the thread that finishes its last part merges
@@ -239,12 +259,9 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     {
         float *scores = malloc(scores_bytes);
         failed |= scores == NULL;
-        while (scores != NULL) {
-            int64_t i;
-#pragma omp atomic capture
-            i = claimed++;
-            i = work.num_items - 1 - i;
-            if (i < 0) break;
+        for (int64_t i = scores != NULL ? claim(&claimed, work.num_items) : -1, next; i >= 0; i = next) {
+            next = claim(&claimed, work.num_items);
+            if (next >= 0) prefetch_item(&args, &work, work.items[next]);
             Item item = work.items[i];
             int64_t query = work.starts[item.block];
             int count = (int)(work.starts[item.block + 1] - query);
