@@ -252,7 +252,8 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
     /* The threads claim items one at a time, last first: a chunk's later queries attend to more
      * positions, so the heaviest go first and the short ones even out the end; and a thread whose
      * core another process takes for a while (the frontend, the scheduler) holds up the call by
-     * one item. A split query's parts are merged by the thread that finishes its last one. */
+     * the item it runs and the one it claimed next (whose first rows it asked for meanwhile). A
+     * split query's parts are merged by the thread that finishes its last one. */
     int64_t claimed = 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
