@@ -4,6 +4,8 @@ on its own context alone, not on the thread count or on the step's other queries
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from attention_steps import LEVELS, NUM_BLOCKS, load, mixed_plan, run_step
@@ -94,3 +96,43 @@ def test_split_positions_off_the_tile_are_refused_naming_the_value(split_positio
     inputs = decodes(CONTEXTS, 16, torch.float32, torch.float32)
     with pytest.raises(ValueError, match=f"split_positions {split_positions} \\(0 or a multiple of 16\\)"):
         attend(kernel, inputs, 16, 2, split_positions)
+
+
+def test_a_prompt_chunks_queries_are_never_split(leveled: native.PagedAttentionKernel) -> None:
+    """Three members' consecutive queries (chunks of 3, 2 and 1 tokens at up to 150 positions): only
+    the last member, alone in the step, is a decode that parts change in its last bits."""
+    q, k_cache, v_cache, tables, _, _ = decodes((150, 150, 150, 150, 150, 150), 16, torch.float32, torch.float32)
+    members = torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.int32)
+    contexts = torch.tensor([148, 149, 150, 149, 150, 150], dtype=torch.int32)
+    inputs = (q, k_cache, v_cache, tables, members, contexts)
+    whole, parts = attend(leveled, inputs, 16, 2, 0), attend(leveled, inputs, 16, 2, 32)
+    assert torch.equal(parts[:5], whole[:5]) and not torch.equal(parts[5], whole[5])
+
+
+class _Function:
+    """A C function as ctypes holds it: takes argtypes and restype, records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def __call__(self, *args: object) -> int:
+        self.calls.append(args)
+        return 0
+
+
+class _OlderLibrary:
+    """A build from before split_positions: its paged_attend takes one argument less."""
+
+    def __init__(self) -> None:
+        self.paged_attend, self.paged_attention_path, self.paged_attention_block_path = (_Function() for _ in range(3))
+
+
+def test_a_build_from_before_split_positions_is_called_with_its_own_arguments() -> None:
+    library = _OlderLibrary()
+    kernel = native.PagedAttentionKernel(library, Path("older.so"), None)
+    inputs = decodes((20,), 16, torch.float32, torch.float32)
+    attend(kernel, inputs, 16, 2, 0)
+    (call,) = library.paged_attend.calls
+    assert len(call) == 20 and call[-3:-1] == (0, 2)  # ..., dtypes (fp32), num_threads, where
+    with pytest.raises(ValueError, match="older.so predates split_positions; pass 0"):
+        attend(kernel, inputs, 16, 2, 512)

@@ -44,7 +44,9 @@ class PagedAttentionKernel:
         self.path = path
         self.num_threads_cap = num_threads_cap  # 1 when a second OpenMP runtime is loaded
         self._attend = library.paged_attend
-        self._attend.argtypes = _ARGTYPES
+        # A build of an older checkout (bench_attention --sources) has no split_positions argument.
+        self.takes_split_positions = hasattr(library, "paged_attention_splits")
+        self._attend.argtypes = _ARGTYPES if self.takes_split_positions else _ARGTYPES[:18] + _ARGTYPES[19:]
         self._attend.restype = ctypes.c_int
         self._path = library.paged_attention_path
         self._path.argtypes = [_I32, _I32, _I32]
@@ -74,9 +76,10 @@ class PagedAttentionKernel:
                  block_tables: torch.Tensor, token_members: torch.Tensor, context_lens: torch.Tensor,
                  block_size: int, num_threads: int, split_positions: int = 0) -> None:
         """Writes every row of out: token t attends to the first context_lens[t] positions of block
-        table row token_members[t]. A query attended alone (a decode) over more than split_positions
-        positions (a multiple of 16; 0: never) is attended in parts of that many, by as many threads,
-        and merged: a query's output depends on its context alone, never on the step's other queries.
+        table row token_members[t]. A decode (its member's only query in the step) over more than
+        split_positions positions (a multiple of 16; 0: never) is attended in parts of at most that
+        many, which the threads share, and merged: its output depends on its context alone, never on
+        the step's other queries or the thread count.
         q: [num_tokens, num_heads, head_dim], heads contiguous, token rows any stride apart;
         out: the same shape and dtype, contiguous; caches: [num_kv_heads, num_slots, head_dim]
         contiguous, in q's dtype or, under fp32 q, bf16;
@@ -91,12 +94,15 @@ class PagedAttentionKernel:
                              f"{len(context_lens)} context lengths")
         if self.num_threads_cap is not None:
             num_threads = min(num_threads, self.num_threads_cap)
+        if not self.takes_split_positions and split_positions:
+            raise ValueError(f"native attention: {self.path} predates split_positions; pass 0")
         where = ctypes.c_int64(-1)
+        split = (split_positions,) if self.takes_split_positions else ()
         status = self._attend(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(),
                               v_cache.data_ptr(), num_slots, block_tables.data_ptr(), block_tables.shape[0],
                               block_tables.shape[1], token_members.data_ptr(), context_lens.data_ptr(),
                               len(q), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5,
-                              _DTYPES[q.dtype, k_cache.dtype], split_positions, num_threads,
+                              _DTYPES[q.dtype, k_cache.dtype], *split, num_threads,
                               ctypes.byref(where))  # checked above
         if status != 0:
             raise _failure(status, where.value, block_tables, token_members, context_lens, num_slots,
@@ -149,7 +155,7 @@ def _failure(status: int, where: int, block_tables: torch.Tensor, token_members:
                           f"block_size {block_size} and split_positions {split_positions} (0 or a multiple "
                           f"of 16) are not a valid attention shape")
     if status == -4:
-        return MemoryError("native attention: out of memory for the scores buffer")
+        return MemoryError("native attention: out of memory for its work lists, scores or partial rows")
     if status == -6:
         num_blocks = num_slots // block_size
         row = block_tables[where]

@@ -2,7 +2,7 @@
  * picks the widest path compiled for (AVX512, AVX2, else portable C), groups consecutive queries of
  * one member into blocks where the path attends blocks, and has the OpenMP threads (torch's own
  * pool once torch is loaded: the same libgomp soname) claim the step's work items, (query block,
- * KV head, part) triples, one at a time; a lone query's long context is split into parts that are
+ * KV head, part) triples, one at a time; a decode's long context is split into parts that are
  * merged at the end. Shapes and layouts: paged_attention.h. */
 #include <math.h>
 #include <stdlib.h>
@@ -90,8 +90,8 @@ static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int
     return num_blocks;
 }
 
-/* The step's work. Query block b is queries starts[b] .. starts[b + 1]; a block of one query over
- * more than split_positions positions is parts_of[b] > 1 parts of part_positions() each (the last
+/* The step's work. Query block b is queries starts[b] .. starts[b + 1]; a decode (its member's only
+ * query in the step) over more than split_positions positions is parts_of[b] > 1 parts of part_positions() each (the last
  * one shorter), the partials of its KV head h's part p at partials + partial_at[b] + (h *
  * parts_of[b] + p) * part_floats(), remaining[b] of its items not done yet. items: one per (block,
  * KV head, part). */
@@ -106,12 +106,18 @@ typedef struct {
     int split_positions;
 } Work;
 
-/* Positions per part of a lone query over n positions: the fewest parts of at most split_positions,
- * as even as a multiple of TILE each allows (n itself: one part). */
+/* Positions per part of a decode over n positions (n itself: one part): a multiple of TILE, for the
+ * fewest parts of at most split_positions; the last part holds the rest (n 70, 32: 32 + 32 + 6). */
 static int part_positions(int n, int split_positions) {
     if (split_positions == 0 || n <= split_positions) return n;
     int parts = (n + split_positions - 1) / split_positions;
     return padded((n + parts - 1) / parts);
+}
+
+/* Whether query t is its member's only one in the step (a member's queries are consecutive). */
+static int is_decode(const Args *a, int64_t t, int64_t num_tokens) {
+    int32_t member = a->token_members[t];
+    return (t == 0 || a->token_members[t - 1] != member) && (t == num_tokens - 1 || a->token_members[t + 1] != member);
 }
 
 static void free_work(Work *w) {
@@ -130,10 +136,11 @@ static int plan_work(const Args *a, int64_t num_tokens, int per_block, int split
     if (w->parts_of == NULL || w->partial_at == NULL || w->remaining == NULL) return NO_MEMORY;
     const int64_t per_part = part_floats(a->num_heads / a->num_kv_heads, a->head_dim);
     for (int64_t b = 0; b < blocks; b++) {
-        int n = a->context_lens[w->starts[b]], lone = w->starts[b + 1] - w->starts[b] == 1;
-        int size = lone ? part_positions(n, split_positions) : n, parts = (n + size - 1) / size;
+        int64_t t = w->starts[b];
+        int n = a->context_lens[t], size = is_decode(a, t, num_tokens) ? part_positions(n, split_positions) : n;
+        int parts = (n + size - 1) / size;
         w->parts_of[b] = parts, w->partial_at[b] = floats, w->remaining[b] = parts * a->num_kv_heads;
-        if (parts > 1) floats += parts * a->num_kv_heads * per_part;
+        if (parts > 1) floats += (int64_t)parts * a->num_kv_heads * per_part;
         w->num_items += (int64_t)parts * a->num_kv_heads;
     }
     w->items = malloc((size_t)w->num_items * sizeof *w->items + 1);
@@ -146,7 +153,7 @@ static int plan_work(const Args *a, int64_t num_tokens, int per_block, int split
     return OK;
 }
 
-/* The positions a lone query's item attends, and where it writes (Part). */
+/* The positions an item of a decode attends, and where it writes (Part). */
 static Part part_of(const Work *w, Item item, int n, int group, int head_dim) {
     int parts = w->parts_of[item.block], size = part_positions(n, w->split_positions), begin = item.part * size;
     if (parts == 1) return (Part){0, n, NULL};
@@ -191,6 +198,9 @@ static void merge_parts(const Args *a, const Work *w, int64_t b) {
     }
 }
 
+/* Whether this build takes split_positions (bench_attention loads builds of older checkouts too). */
+int paged_attention_splits(void) { return 1; }
+
 /* The next item for this thread (-1: none left), last first. */
 static int64_t claim(int64_t *claimed, int64_t num_items) {
     int64_t i;
@@ -211,8 +221,8 @@ static void prefetch_item(const Args *a, const Work *w, Item item) {
     prefetch_positions(a, table, begin, AHEAD, n, (const char *)a->v_cache + head, row_bytes);
 }
 
-/* Writes every row of out. dtypes: enum Dtypes. A query attended on its own (a decode) over more
- * than split_positions positions (a multiple of TILE; 0: never) is split into parts of at most that
+/* Writes every row of out. dtypes: enum Dtypes. A decode (its member's only query in the step) over
+ * more than split_positions positions (a multiple of TILE; 0: never) is split into parts of at most that
  * many (part_positions), each its own work item, and the thread that finishes its last part merges
  * them: a lone long decode keeps every thread busy. The split depends on the query's context
  * alone, so a query's output depends neither on the step's other queries nor on the thread count. Returns OK, NO_MEMORY (out incomplete) or, with

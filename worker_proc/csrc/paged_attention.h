@@ -42,7 +42,7 @@ typedef struct {
 enum Dtypes { ALL_F32 = 0, ALL_BF16 = 1, F32_OVER_BF16 = 2 };
 
 /* Which positions of a query's context one work item attends, [begin, end), and where it writes.
- * partial NULL: the whole context, into out. Else a part of a lone query's long context (begin a
+ * partial NULL: the whole context, into out. Else a part of a decode's long context (begin a
  * multiple of TILE): its group's rows normalised over the part alone, fp32 [group][head_dim], then
  * each row's largest score [group] and sum of exp(score - largest) [group]: part_floats() in all,
  * which the driver merges into out once every part is done. */

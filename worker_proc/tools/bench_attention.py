@@ -232,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                for s in sources]
     builds = [(f"{s}" if len(splits) == 1 else f"{s} split {n}", k) for s, k in zip(sources, kernels) for n in splits]
     calls = [functools.partial(k, split_positions=n) for k in kernels for n in splits]
+    unsplit = [str(s) for s, k in zip(sources, kernels) if not k.takes_split_positions]
+    if unsplit and any(splits):
+        print(f"bench_attention: {', '.join(unsplit)} predate --split-positions; pass --split-positions 0",
+              file=sys.stderr)
+        return 2
     older = [str(s) for s, k in zip(sources, kernels) if not k.takes_mixed_dtypes]
     if older and any(DTYPES[name][0] != DTYPES[name][1] for name in args.dtypes.split(",")):
         print(f"bench_attention: {', '.join(older)} predate fp32 q over a bf16 cache; leave "
