@@ -29,7 +29,8 @@ member's blocks consecutive, the three alternating, over several copies of the c
     python -m worker_proc.tools.bench_attention --block-sizes 16,32,64 --dtypes bfloat16
 
 With --split-positions, each build runs once per value (a decode over more positions is attended
-in parts that the threads share; 0: never), the values alternating as builds do:
+in parts that the threads share; 0: never), the values alternating as builds do. Builds of
+checkouts from before the parts take only --split-positions 0:
 
     python -m worker_proc.tools.bench_attention --split-positions 0,256,512 --decode-seqs 1 \
         --decode-context 4000 --prefill-tokens 0 --cache-copies 30
