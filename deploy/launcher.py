@@ -65,8 +65,11 @@ class Stack(Replacements):
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
         self._kill_reasons: dict[int, str] = {}  # pid -> why the supervisor killed it ("after ...")
         self._ready_deadlines: dict[str, float] = {}  # restarted child -> when it must be ready
-        # Replacements by process kind, handed to each new frontend for its process_restarts_total.
+        # Replacements by process kind, handed to each new frontend for its process_restarts_total;
+        # of the worker groups, those replaced before the running scheduler started (it counts the
+        # rest itself, and reports them to the frontend).
         self.num_restarts = {"frontend": 0, "scheduler": 0, "worker": 0}
+        self.num_worker_restarts_before_scheduler = 0
         self._group: GroupChannel | None = None  # the supervisors' channel when nnodes > 1
         self._exits = ExitWatch()
 

@@ -83,6 +83,7 @@ class Replacements:
         if not self.restarts.allow(cause):
             return self.restarts.exhausted(cause)
         self.num_restarts["scheduler"] += 1
+        self.num_worker_restarts_before_scheduler = self.num_restarts["worker"]
         generation = self.config.worker_generation + 1
         log.error("%s; replacing the scheduler and the worker group with group %d (%s)", cause,
                   generation, self.restarts.describe())
@@ -143,7 +144,8 @@ class Replacements:
             return self.restarts.exhausted(cause)
         log.error("%s; restarting the frontend (%s)", cause, self.restarts.describe())
         self.num_restarts["frontend"] += 1
-        dead.extra_args = [f"--{kind}-restarts={count}" for kind, count in self.num_restarts.items()]
+        counts = dict(self.num_restarts, worker=self.num_worker_restarts_before_scheduler)
+        dead.extra_args = [f"--{kind}-restarts={count}" for kind, count in counts.items()]
         _kill_and_reap(dead)
         self._spawn(dead)
         # The watch keeps serving the engine meanwhile, so it is the watch that holds the new

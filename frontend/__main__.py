@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     for kind in RESTARTED_PROCESSES:  # the supervisor's restart counts before this frontend started
         parser.add_argument(f"--{kind}-restarts", type=int, default=0,
-                            help=f"how often the supervisor has replaced the {kind} so far")
+                            help=f"how often the supervisor has replaced the {kind} so far (worker: "
+                                 f"under earlier schedulers; the running one reports its own)")
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
     if os.environ.get(API_KEY_ENV):  # the supervisor passes the key here, not in --config

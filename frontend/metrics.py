@@ -229,8 +229,6 @@ class FrontendMetrics:
             self.workers_rss.set(stats.workers_rss_bytes)
         for field_name, attribute in _SCHEDULER_TOTALS.items():
             total = getattr(stats, field_name)
-            if self._seen_totals[field_name] < 0:  # continue_restart_counts' baseline
-                self._seen_totals[field_name] = total
             # A lower total is a message that does not carry it: never count backwards.
             if total > self._seen_totals[field_name]:
                 getattr(self, attribute).inc(total - self._seen_totals[field_name])
@@ -252,12 +250,11 @@ class FrontendMetrics:
 
     def continue_restart_counts(self, num_restarts: dict[str, int]) -> None:
         """A restarted frontend takes on the supervisor's restart counts by process kind, so that
-        process_restarts_total never drops. The running scheduler's own count of worker groups
-        replaced is already in them: its first report is a baseline, not new restarts."""
+        process_restarts_total never drops. Its worker count is of the groups replaced under earlier
+        schedulers: the running scheduler reports its own in full (a group replaced while this
+        frontend starts is in that report, and counted once)."""
         for kind, count in num_restarts.items():
             self.process_restarts.labels(self._model_name, kind).inc(count)
-        if num_restarts.get("worker"):
-            self._seen_totals["num_worker_restarts_total"] = -1  # the next report sets the baseline
 
     def on_scheduler_replaced(self, num_sequences_resubmitted: int) -> None:
         """A new scheduler continues `num_sequences_resubmitted` open choices (recovered), and its

@@ -201,6 +201,18 @@ async def test_scheduler_totals_become_counters_that_never_go_backwards():
     assert values["conveyor:iteration_tokens_total_count"] == 0  # heartbeats are no steps
 
 
+def test_a_restarted_frontend_adds_the_running_schedulers_worker_restarts_to_the_earlier_ones():
+    """The supervisor hands a new frontend the worker groups replaced under earlier schedulers (2);
+    the running scheduler's own (1, replaced while this frontend started) arrive in its report."""
+    metrics = FrontendMetrics("tiny")
+    metrics.continue_restart_counts({"frontend": 1, "scheduler": 1, "worker": 2})
+    for total in (1, 1):
+        metrics.on_step_outputs(heartbeat(num_worker_restarts_total=total))
+    values = samples(metrics.render().decode())
+    assert values['conveyor:process_restarts_total{process="worker"}'] == 3
+    assert values['conveyor:process_restarts_total{process="frontend"}'] == 1
+
+
 async def test_frontend_decode_errors_count_as_protocol_errors(config, tokenizer):
     engine = ZmqEngineClient("/nonexistent")  # never started: frames fed by hand
     app = create_app(config, engine, tokenizer)
