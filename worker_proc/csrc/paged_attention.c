@@ -213,7 +213,7 @@ static int64_t claim(int64_t *claimed, int64_t num_items) {
  * tiles do not wait on memory as the item before it on this thread computes. */
 static void prefetch_item(const Args *a, const Work *w, Item item) {
     int64_t query = w->starts[item.block];
-    int n = a->context_lens[query], begin = w->parts_of[item.block] > 1 ? item.part * part_positions(n, w->split_positions) : 0;
+    int n = a->context_lens[query], begin = part_of(w, item, n, a->num_heads / a->num_kv_heads, a->head_dim).begin;
     int row_bytes = a->head_dim * (a->bf16 ? 2 : 4);
     int64_t head = (int64_t)item.kv_head * a->num_slots * row_bytes;
     const int32_t *table = table_of(a, query);
@@ -221,15 +221,16 @@ static void prefetch_item(const Args *a, const Work *w, Item item) {
     prefetch_positions(a, table, begin, AHEAD, n, (const char *)a->v_cache + head, row_bytes);
 }
 
-/* Writes every row of out. dtypes: enum Dtypes. A decode (its member's only query in the step) over
- * more than split_positions positions (a multiple of TILE; 0: never) is split into parts of at most that
- * many (part_positions), each its own work item, and the thread that finishes its last part merges
- * them: a lone long decode keeps every thread busy. The split depends on the query's context
- * alone, so a query's output depends neither on the step's other queries nor on the thread count. Returns OK, NO_MEMORY (out incomplete) or, with
- * nothing written: BAD_DTYPES, BAD_SHAPE (heads, head_dim, block_size or split_positions),
- * BAD_MEMBER (a token's member is not a row of block_tables), BAD_CONTEXT (a context < 1),
- * SHORT_TABLE (a context past its block table) or BAD_BLOCK (a table names a block outside the
- * cache), with *where the token or member at fault. */
+/* Writes every row of out. dtypes: enum Dtypes. A decode (its member's only query in the step)
+ * over more than split_positions positions (a multiple of TILE; 0: never) is split into parts of
+ * at most that many (part_positions), each its own work item, and the thread that finishes its
+ * last part merges them: a lone long decode keeps every thread busy. The split depends on the
+ * query's context alone, so a query's output depends neither on the step's other queries nor on
+ * the thread count. Returns OK, NO_MEMORY (out incomplete) or, with nothing written: BAD_DTYPES,
+ * BAD_SHAPE (heads, head_dim, block_size or split_positions), BAD_MEMBER (a token's member is not
+ * a row of block_tables), BAD_CONTEXT (a context < 1), SHORT_TABLE (a context past its block
+ * table) or BAD_BLOCK (a table names a block outside the cache), with *where the token or member
+ * at fault. */
 int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k_cache, const void *v_cache,
                  int64_t num_slots, const int32_t *block_tables, int64_t num_seqs, int64_t max_blocks,
                  const int32_t *token_members, const int32_t *context_lens, int64_t num_tokens,
