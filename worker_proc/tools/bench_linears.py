@@ -10,18 +10,31 @@ LM head). Both paths' outputs are checked against the exact product first. Print
 In fp32 a third path runs beside them: the skinny linear from bf16 panels ("skinny_wide"), which it
 keeps for a weight whose every value bf16 holds (a bf16 checkpoint served in fp32, as the default
 model is), here the same random weights rounded to bf16.
+
+With --sources, the skinny linear of each source directory (a checkout's worker_proc/csrc) instead,
+built under --cpu-isa: one decode step's linears with every layer's weights its own (30 layers and
+the LM head, about 0.27 GB of bf16 values, so that every step reads them from memory as a served
+step does), the builds in turn, round after round, each build's fastest step; their outputs must
+be equal bit for bit. Prints one JSON line per row count.
+
+    python -m worker_proc.tools.bench_linears --dtype float32 --cpu-isa avx2 --rows 1,8,64 \
+        --sources /tmp/before/worker_proc/csrc,worker_proc/csrc
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import time
+from pathlib import Path
 
 import torch
 
+from worker_proc.attention.native_build import build
 from worker_proc.layers.linear import packed_linear, prepack
-from worker_proc.layers.skinny import skinny_linear_for
+from worker_proc.layers.skinny import SkinnyLinear, skinny_linear_for
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
@@ -36,6 +49,35 @@ def fastest(call, copies: int, repeats: int) -> float:
     return (time.perf_counter() - start) / (repeats * copies)
 
 
+def time_sources(sources: list[Path], dtype: torch.dtype, rows: list[int], cpu_isa: str, rounds: int) -> None:
+    """One decode step's linears, each layer's weights its own, through each source's build in turn."""
+    kernels = [SkinnyLinear(ctypes.CDLL(str(build(cpu_isa=cpu_isa, source_dir=source))), None, dtype)
+               for source in sources]
+    generator = torch.Generator().manual_seed(0)
+    shapes = [shape for name, shape in SHAPES.items() if name != "lm_head"] * LAYERS + [SHAPES["lm_head"]]
+    # bf16 values, as the default model's checkpoint holds: an fp32 kernel reads them from bf16 panels
+    weights = [kernels[0].pack((torch.randn(n, k, generator=generator) * 0.05).bfloat16().to(dtype))
+               for n, k in shapes]
+    for m in rows:
+        inputs = {k: torch.randn(m, k, generator=generator).to(dtype) for _, k in shapes}
+        steps = [[functools.partial(kernel, inputs[k], weight.panels, n, None) for weight, (n, k) in zip(weights, shapes)]
+                 for kernel in kernels]
+        first = [call() for call in steps[0]]
+        for source, step in zip(sources[1:], steps[1:]):
+            if not all(torch.equal(call(), expected) for call, expected in zip(step, first)):
+                raise SystemExit(f"bench_linears: {source}'s outputs differ from {sources[0]}'s at {m} rows")
+        best = [float("inf")] * len(kernels)
+        for _ in range(rounds):  # in turn, so that every build shares the machine's noise
+            for i, step in enumerate(steps):
+                start = time.perf_counter()
+                for call in step:
+                    call()
+                best[i] = min(best[i], time.perf_counter() - start)
+        print(json.dumps({"rows": m, "shape": "step", "sources": [str(source) for source in sources],
+                          "step_ms": [round(t * 1e3, 2) for t in best],
+                          "speedup_over_first": [round(best[0] / t, 3) for t in best]}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -43,12 +85,18 @@ def main() -> None:
     parser.add_argument("--cpu-isa", default="", help="the ISA cap the kernel is built under ('' = this CPU)")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sources", default="",
+                        help="comma-separated source directories: time their skinny linears against each other")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype)
     kernel = skinny_linear_for(dtype, args.cpu_isa)
     if kernel is None:
         raise SystemExit(f"no skinny linear for {args.dtype} here (the log line above says why)")
+    if args.sources:
+        sources = [Path(part) for part in args.sources.split(",") if part]
+        time_sources(sources, dtype, [int(r) for r in args.rows.split(",")], args.cpu_isa, args.rounds)
+        return
     generator = torch.Generator().manual_seed(0)
     wide = dtype == torch.float32
     for rows in (int(r) for r in args.rows.split(",")):
