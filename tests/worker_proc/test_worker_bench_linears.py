@@ -40,4 +40,4 @@ def test_sources_time_each_build_on_a_whole_step() -> None:
     for line in lines:
         assert line["sources"] == [str(SOURCE_DIR)] * 2
         assert len(line["step_ms"]) == 2 and all(t > 0 for t in line["step_ms"])
-        assert line["speedup_over_first"][0] == 1.0
+        assert line["speedup_over_first"][0] == 1.0 and line["same_bits_as_first"] == [True, True]

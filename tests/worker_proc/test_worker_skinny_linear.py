@@ -79,15 +79,18 @@ def test_the_threads_claiming_work_do_not_change_a_bit_of_the_result(kernel: ski
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
-def test_a_row_gets_the_same_bits_alone_and_in_any_decode_batch(kernel: skinny.SkinnyLinear) -> None:
-    """Up to 64 rows, a row's output does not depend on the rows beside it, nor on the tile it lands
-    in: 7 rows run as tiles of 3 + 4, 13 as 4 + 4 + 5, 11 as 5 + 6."""
+@pytest.mark.parametrize("inputs", [600, 3100], ids=["one block of inputs", "blocks of 1536, 1536 and 28"])
+def test_a_row_gets_the_same_bits_alone_and_in_a_step_of_any_size(kernel: skinny.SkinnyLinear, inputs: int) -> None:
+    """A row's output does not depend on the rows beside it, nor on the tile it lands in (7 rows run
+    as tiles of 3 + 4, 13 as 4 + 4 + 5, 11 as 5 + 6), nor on whether its step packs its rows (more
+    than 64): both paths sum over the same blocks of inputs."""
     generator = torch.Generator().manual_seed(11)
-    x, weight = torch.randn(64, 600, generator=generator), torch.randn(40, 600, generator=generator)
+    x, weight = torch.randn(300, inputs, generator=generator), torch.randn(40, inputs, generator=generator)
     packed = kernel.pack(weight)
-    alone = torch.cat([packed(x[i:i + 1], None) for i in range(64)])
-    for rows in (2, 7, 8, 9, 11, 13, 33, 64):
+    alone = torch.cat([packed(x[i:i + 1], None) for i in range(300)])
+    for rows in (2, 7, 8, 9, 11, 13, 33, 64, 65, 100, 300):
         assert torch.equal(packed(x[:rows], None), alone[:rows]), rows
+    assert torch.equal(packed(x[200:], None), alone[200:])
 
 
 def test_bad_input_is_an_error_that_names_it(kernel: skinny.SkinnyLinear) -> None:

@@ -277,7 +277,10 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
             Item item = work.items[i];
             int64_t query = work.starts[item.block];
             int count = (int)(work.starts[item.block + 1] - query);
-            if (count > 1) attend_block(&args, query, count, item.kv_head, scores);
+            /* a prompt query alone in its block still takes the block path: a query's output does
+             * not depend on where the step's token budget cut its prompt into chunks */
+            if (attend_block != NULL && (count > 1 || !is_decode(&args, query, num_tokens)))
+                attend_block(&args, query, count, item.kv_head, scores);
             else attend(&args, query, item.kv_head, part_of(&work, item, context_lens[query], group, head_dim), scores);
             if (work.parts_of[item.block] > 1 && last_of_block(&work, item.block)) merge_parts(&args, &work, item.block);
         }
