@@ -60,10 +60,15 @@ class BlockManager:
 
         With prefix caching: the longest chain of its block keys found in the cache. Without it:
         a sibling choice forks choice 0's computed prompt blocks. Either way at least one token
-        is left to compute, so the step that finishes the prefill has logits to sample from.
+        is left to compute, so the step that finishes the prefill has logits to sample from; and
+        two where a prompt that has sampled nothing yet has more than one: its last token alone
+        would be attended as a decode, in other last bits than the block path gives it when the
+        prompt runs whole, so the logits would depend on what the cache held (policy.
+        without_lone_query). A resumed sequence's last token is one it sampled, a decode before.
         """
         assert len(request.block_ids) == 0, f"{request} already holds blocks"
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        num_left = 2 if request.num_tokens == request.num_prompt_tokens else 1
+        max_blocks = max(request.num_tokens - num_left, 0) // self.block_size
         if self.enable_prefix_caching:
             if not request.may_read_prefix_cache or max_blocks == 0:
                 return []

@@ -14,6 +14,19 @@ from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.scheduled_batch import ScheduledBatch
 
 
+def without_lone_query(num_tokens: int, num_remaining: int, most: int) -> int:
+    """num_tokens of a member's num_remaining uncomputed ones, cut so that neither the chunk nor
+    what it leaves for the next step is a single token, where a step may give it `most` >= 3; 0 =
+    not this step. The attention kernel takes a member's only query in a step for a decode, whose
+    last bits differ from the block path's: fp32 logits would then depend on where a step's budget
+    cut the prompt. Here they do not (tests/worker_proc/test_worker_batch_invariance.py)."""
+    if num_tokens == num_remaining or most < 3:
+        return num_tokens
+    if num_remaining - num_tokens == 1:
+        num_tokens -= 1  # two left for the next step
+    return num_tokens if num_tokens >= 2 else 0
+
+
 def start_member(request: Request, prefix: list[int], num_tokens: int, batch: ScheduledBatch,
                  block_manager: BlockManager) -> bool:
     """Give a sequence that holds no blocks its computed `prefix` (see computed_prefix) and
@@ -95,7 +108,8 @@ class ContinuousPolicy:
         owing = next((request for request in queues.running if request.solo_owed), None)
         if owing is not None:
             num_computed = owing.num_computed_tokens
-            num_tokens = min(owing.num_tokens - num_computed, budget)
+            num_remaining = owing.num_tokens - num_computed
+            num_tokens = without_lone_query(min(num_remaining, budget), num_remaining, budget)
             if self._allocate_or_preempt(owing, num_computed + num_tokens):
                 batch.add(owing, num_computed, num_tokens)
                 return batch
@@ -111,7 +125,8 @@ class ContinuousPolicy:
         # start over, for ever. Until they are free the others run and drain.
         if not block_manager.can_allocate(head, head.num_tokens, prefix):
             return None
-        num_tokens = min(head.num_tokens - len(prefix) * block_manager.block_size, budget)
+        num_remaining = head.num_tokens - len(prefix) * block_manager.block_size
+        num_tokens = without_lone_query(min(num_remaining, budget), num_remaining, budget)
         if not start_member(head, prefix, num_tokens, batch, block_manager):
             return None
         queues.admit(0)
@@ -125,12 +140,14 @@ class ContinuousPolicy:
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
         """Tokens for a member with `num_remaining` uncomputed tokens; 0 = not this step."""
         threshold = self.config.long_prefill_token_threshold
-        if threshold == 0 or num_remaining <= threshold:
-            return min(num_remaining, budget)
-        if self._num_long_prefills >= self.config.max_num_partial_prefills:
+        is_long = threshold != 0 and num_remaining > threshold
+        if is_long and self._num_long_prefills >= self.config.max_num_partial_prefills:
             return 0
-        self._num_long_prefills += 1
-        return min(threshold, budget)
+        most = min(threshold, self.config.max_num_batched_tokens) if is_long else self.config.max_num_batched_tokens
+        num_tokens = without_lone_query(min(num_remaining, budget, most), num_remaining, most)
+        if is_long and num_tokens:
+            self._num_long_prefills += 1
+        return num_tokens
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         # Victims come from the end of the running list, so none of them is already in the batch.

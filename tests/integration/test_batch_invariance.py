@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -32,18 +31,21 @@ def complete(stack: Stack, body: dict) -> dict:
     return response.json()
 
 
-def test_a_greedy_request_gets_the_same_logprobs_alone_and_beside_other_prompts(wide_stack: Stack) -> None:
-    """Alone its steps have at most 20 rows; beside two 100-token prompts (220 prompt tokens in all,
+@pytest.mark.parametrize(("prompt_len", "cached"), [(20, 16), (17, 0)])
+def test_a_greedy_request_gets_the_same_logprobs_alone_and_beside_other_prompts(wide_stack: Stack, prompt_len: int,
+                                                                               cached: int) -> None:
+    """Alone its steps have at most 20 rows; beside two 100-token prompts (at most 220 prompt tokens,
     within one step's budget of 256) its prompt or its decodes share steps of more than 64 rows. The
-    second time its prompt's first block of 16 comes from the prefix cache, so its prompt also runs
-    cut where the cache ends."""
-    target = {"prompt": [(13 * i + 5) % 450 + 7 for i in range(20)], "max_tokens": 24, "temperature": 0,
-              "ignore_eos": True, "logprobs": 1}
+    second time a 20-token prompt's first block of 16 comes from the prefix cache, so it also runs
+    cut where the cache ends; a 17-token one computes that block again rather than its last token
+    alone."""
+    target = {"prompt": [(13 * i + prompt_len) % 450 + 7 for i in range(prompt_len)], "max_tokens": 24,
+              "temperature": 0, "ignore_eos": True, "logprobs": 1}
     others = [{"prompt": [(29 * i + k) % 450 + 7 for i in range(100)], "max_tokens": 16, "temperature": 0,
                "ignore_eos": True} for k in (1, 2)]
     alone = complete(wide_stack, target)["choices"][0]["logprobs"]["token_logprobs"]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         beside = [pool.submit(complete, wide_stack, body) for body in [*others, target]]
         shared = beside[-1].result()
-    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     assert shared["choices"][0]["logprobs"]["token_logprobs"] == alone

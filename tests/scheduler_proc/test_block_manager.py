@@ -99,8 +99,8 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recently_freed_first_onl
     assert manager.allocate(filler, 6)  # 2 uncached blocks, then old's tail block is evicted
     manager.check_invariants()
     assert manager.pool.num_evictions_total == 1
-    assert len(manager.computed_prefix(make_request("x", [1, 2, 3, 4, 0]))) == 1  # old's head survived
-    assert len(manager.computed_prefix(make_request("y", [5, 6, 7, 8, 0]))) == 2  # new is intact
+    assert len(manager.computed_prefix(make_request("x", [1, 2, 3, 4, 0, 0]))) == 1  # old's head survived
+    assert len(manager.computed_prefix(make_request("y", [5, 6, 7, 8, 0, 0]))) == 2  # new is intact
 
 
 def test_uncached_free_blocks_are_handed_out_before_any_cached_block_is_evicted() -> None:
@@ -144,7 +144,7 @@ def test_a_request_owing_prompt_logprobs_never_reads_the_cache_but_publishes_its
     assert manager.computed_prefix(scored) == []
     compute(manager, scored, 9)
     assert manager.prefix_cache_queries_total == 9  # only a's lookup counted
-    assert len(manager.computed_prefix(make_request("c", 9))) == 2
+    assert len(manager.computed_prefix(make_request("c", 10))) == 2
 
 
 def test_without_prefix_caching_nothing_is_looked_up_or_published() -> None:
@@ -205,3 +205,13 @@ def test_any_sequence_of_admissions_computations_and_frees_keeps_the_invariants(
         manager.free(request)
     manager.check_invariants()
     assert manager.num_free_blocks == 12 and manager.usage == 0.0  # idle: every block free or cached
+
+
+def test_a_cached_prefix_leaves_two_tokens_to_compute_where_the_prompt_has_two() -> None:
+    """A lone last query would be attended as a decode, in other last bits than the whole prompt's
+    block path: the cache then gives one block less (tokens 5-9 of 9 are computed, not 9 alone)."""
+    manager = BlockManager(num_blocks=10, block_size=4)
+    compute(manager, make_request("a", 9), 9)
+    assert len(manager.computed_prefix(make_request("b", 9))) == 1
+    assert len(manager.computed_prefix(make_request("c", 10))) == 2
+    assert manager.computed_prefix(make_request("d", 1)) == []

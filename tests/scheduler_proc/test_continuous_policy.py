@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from scheduler_fakes import Harness, default_token
+
+from scheduler_proc.policy import without_lone_query
 
 
 def expected_tokens(request_id: str, num_prompt: int, num_output: int) -> list[int]:
@@ -58,6 +61,41 @@ def test_long_prompt_is_chunked_and_the_chunks_add_up_to_the_prompt() -> None:
     assert chunks[:4] == [(0, 8), (8, 8), (16, 8), (24, 6)]
     assert [bool(p.sample_mask[0]) for p in plans] == [False, False, False, True, True]
     assert harness.log.tokens["long"] == expected_tokens("long", 30, 2)
+
+
+def test_a_prompt_is_never_cut_into_a_lone_token() -> None:
+    """The attention kernel takes a member's only query in a step for a decode: a prompt cut so
+    that one of its tokens runs alone would get other last bits than when it runs whole."""
+    harness = Harness(max_num_batched_tokens=8)
+    harness.add("long", 17, max_tokens=2)  # 8 + 8 + 1 would leave its last token alone
+    plans = harness.run()
+    chunks = [(int(p.num_computed_tokens[0]), int(p.num_scheduled_tokens[0])) for p in plans]
+    assert chunks[:3] == [(0, 8), (8, 7), (15, 2)]
+    assert harness.log.tokens["long"] == expected_tokens("long", 17, 2)
+
+
+def test_a_prompt_that_would_get_one_token_of_the_budget_waits_for_the_next_step() -> None:
+    harness = Harness(max_num_batched_tokens=10)
+    for request_id in ("a", "b", "c"):
+        harness.add(request_id, 3, max_tokens=4)
+    harness.step()  # 9 of 10
+    harness.add("d", 5, max_tokens=1)
+    plan = harness.step()  # 3 decodes leave 7: d runs whole
+    assert plan.request_ids == ["a", "b", "c", "d"] and plan.num_scheduled_tokens.tolist() == [1, 1, 1, 5]
+    harness = Harness(max_num_batched_tokens=10)
+    harness.add("e", 9, max_tokens=3)
+    harness.add("f", [7, 8, 9, 10, 11, 12], max_tokens=1)  # nothing of it in the prefix cache
+    first = harness.step()  # e 9, and f would get 1 of its 6 (leaving 5): it waits
+    assert first.request_ids == ["e"]
+    assert harness.step().num_scheduled_tokens.tolist() == [1, 6]
+
+
+@pytest.mark.parametrize(("num_tokens", "num_remaining", "most", "expected"), [
+    (8, 8, 8, 8), (8, 9, 8, 7), (2, 3, 8, 0), (1, 5, 8, 0), (1, 1, 8, 1), (5, 9, 8, 5),
+    (2, 3, 2, 2), (1, 5, 2, 1)])  # most < 3: lone tokens cannot be avoided, the cut stands
+def test_a_chunk_neither_is_nor_leaves_a_lone_token(num_tokens: int, num_remaining: int, most: int,
+                                                    expected: int) -> None:
+    assert without_lone_query(num_tokens, num_remaining, most) == expected
 
 
 def test_decodes_go_first_and_prefill_gets_the_rest_of_the_budget() -> None:

@@ -49,12 +49,13 @@ def test_plan_arrays_are_consistent_and_survive_the_codec() -> None:
             np.testing.assert_array_equal(getattr(decoded, name), value, err_msg=name)
     assert plan.request_ids == ["plain", "penalised", "chunked"]
     assert plan.num_scheduled_tokens.tolist() == [1, 1, 10]
-    assert plan.num_computed_tokens.tolist() == [5, 6, 1]
+    # chunked waited in step 1 (a chunk of 1 would be a lone query); now plain's first block is cached
+    assert plan.num_computed_tokens.tolist() == [5, 6, 4]
     assert plan.sample_mask.tolist() == [True, True, False]
     assert plan.sampling.top_k.tolist() == [0, 20, 0]
     assert plan.sampling.seeds[0] == 1234
     chunked = harness.engine.get_request("chunked")
-    np.testing.assert_array_equal(plan.input_ids[2:], chunked.token_ids[1:11])
+    np.testing.assert_array_equal(plan.input_ids[2:], chunked.token_ids[4:14])
     # Penalty history only for the penalised member, which samples this step.
     assert np.diff(plan.sampling.history.cu).tolist() == [0, 7, 0]
     assert plan.sampling.history.num_prompt.tolist() == [0, 6, 0]

@@ -21,10 +21,10 @@ def test_the_plan_asks_for_logprobs_per_member_and_names_the_next_prompt_token()
     assert plan.sampling.logprobs.tolist() == [3, -1]
     assert plan.sampling.num_prompt_logprobs.tolist() == [-1, 2]
     assert plan.sampling.next_prompt_token_ids.tolist() == [-1, PROMPT[5]]  # its chunk is positions 0..4
-    plan = harness.step()
-    assert plan.request_ids == ["sampled", "prompt", "plain"]
-    assert plan.sampling.num_prompt_logprobs.tolist() == [-1, 2, -1]
-    assert plan.sampling.next_prompt_token_ids.tolist() == [-1, -1, -1]  # the chunk ends the prompt
+    plan = harness.step()  # plain's 3 would get 2 of the budget, leaving a lone token: it waits
+    assert plan.request_ids == ["sampled", "prompt"]
+    assert plan.sampling.num_prompt_logprobs.tolist() == [-1, 2]
+    assert plan.sampling.next_prompt_token_ids.tolist() == [-1, -1]  # the chunk ends the prompt
     harness.run()
     assert all((p.sampling.num_prompt_logprobs == -1).all() for p in harness.worker.plans[2:])  # prompt done
 

@@ -60,7 +60,19 @@ def test_requests_computing_the_same_prompt_at_once_both_compute_it_and_later_on
     harness.add("c", SYSTEM_PROMPT + [3], max_tokens=2)
     plans += harness.run()
     assert first_row(plans, "a") == first_row(plans, "b") == (0, 17)
-    assert first_row(plans, "c") == (16, 1)
+    assert first_row(plans, "c") == (12, 5)  # not its last prompt token alone: see the next test
+
+
+def test_a_prompt_one_past_a_cached_block_computes_a_block_more_than_its_last_token() -> None:
+    """Its last token alone would be attended as a decode, in other last bits than when the whole
+    prompt runs: the logits would depend on what the cache held."""
+    harness = Harness()
+    harness.add("first", SYSTEM_PROMPT + [5, 6], max_tokens=1)
+    harness.run()
+    harness.add("one_past", SYSTEM_PROMPT + [7], max_tokens=1)
+    harness.add("two_past", SYSTEM_PROMPT + [8, 9], max_tokens=1)
+    plans = harness.run()
+    assert first_row(plans, "one_past") == (12, 5) and first_row(plans, "two_past") == (16, 2)
 
 
 def test_a_preempted_request_gets_its_surviving_blocks_back_from_the_cache() -> None:

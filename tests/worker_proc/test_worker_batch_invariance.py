@@ -1,9 +1,10 @@
 """In fp32 on the native paths a decode's logits do not depend on the rest of its step: the skinny
 linear sums a row's products over the same blocks of inputs at every row count (its row-packing
 path above 64 rows too), the attention kernel attends a decode the same way in any batch, and a
-prompt's queries the same way in any chunking. So a greedy request gets the same tokens alone, or
-beside a long prompt, or with its own prompt cut into chunks by the step's token budget (not after
-a preemption: its recomputed last token is then a prompt query, not a decode)."""
+prompt's queries the same way in any chunking (the scheduler never leaves a prompt token alone in
+a step: scheduler_proc/policy.py, without_lone_query). So a greedy request gets the same tokens
+alone, or beside a long prompt, or with its own prompt cut into chunks by the step's token budget
+(not after a preemption: its recomputed tokens are then prompt queries, not decodes)."""
 
 from __future__ import annotations
 
