@@ -27,15 +27,15 @@ def wide_mlp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("wide_mlp"), "llama", intermediate_size=600)
 
 
-def runner_at(model_dir: Path, level: str) -> ModelRunner:
-    vectorised_or_skip(level, "skinny_linear_supported")
-    return ModelRunner(tiny_engine_config(model_dir, cpu_isa=level, num_kv_blocks=128), rank=0, show_progress=False)
+@pytest.fixture(scope="module", params=VECTOR_LEVELS, ids=LEVEL_IDS)
+def runner(request: pytest.FixtureRequest, wide_mlp_model: Path) -> ModelRunner:
+    """The model on the native kernels built for this CPU, or under each cap below it."""
+    vectorised_or_skip(request.param, "skinny_linear_supported")
+    config = tiny_engine_config(wide_mlp_model, cpu_isa=request.param, num_kv_blocks=128)
+    return ModelRunner(config, rank=0, show_progress=False)
 
 
-@pytest.mark.parametrize("level", VECTOR_LEVELS, ids=LEVEL_IDS)
-def test_a_decode_gets_the_same_logits_alone_and_beside_a_long_prompt_chunk(wide_mlp_model: Path,
-                                                                            level: str) -> None:
-    runner = runner_at(wide_mlp_model, level)
+def test_a_decode_gets_the_same_logits_alone_and_beside_a_long_prompt_chunk(runner: ModelRunner) -> None:
     rng = np.random.default_rng(4)
     pool = BlockPool(128, block_size=4)
     seq = Seq("decoding", rng.integers(3, 500, 12).tolist())
@@ -49,10 +49,7 @@ def test_a_decode_gets_the_same_logits_alone_and_beside_a_long_prompt_chunk(wide
     assert torch.equal(beside[-1], alone[0])
 
 
-@pytest.mark.parametrize("level", VECTOR_LEVELS, ids=LEVEL_IDS)
-def test_a_prompt_gets_the_same_logits_whole_and_in_chunks_beside_other_requests(wide_mlp_model: Path,
-                                                                                  level: str) -> None:
-    runner = runner_at(wide_mlp_model, level)
+def test_a_prompt_gets_the_same_logits_whole_and_in_chunks_beside_other_requests(runner: ModelRunner) -> None:
     rng = np.random.default_rng(5)
     pool = BlockPool(128, block_size=4)
     prompt = rng.integers(3, 500, 90).tolist()
