@@ -51,10 +51,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     for (int64_t t = 0; t < pairs; t++) {
         __m512bh w0, w1;
         memcpy(&w0, panel0 + t * 2 * PANEL, sizeof w0);
-        _mm_prefetch((const char *)(panel0 + t * 2 * PANEL) + PREFETCH_BYTES, _MM_HINT_T1);  /* never faults */
+        /* a hint, which never faults; the address is made as an integer, as it may lie past W */
+        _mm_prefetch((const char *)((uintptr_t)(panel0 + t * 2 * PANEL) + PREFETCH_BYTES), _MM_HINT_T1);
         if (panels == 2) {
             memcpy(&w1, panel1 + t * 2 * PANEL, sizeof w1);
-            _mm_prefetch((const char *)(panel1 + t * 2 * PANEL) + PREFETCH_BYTES, _MM_HINT_T1);
+            _mm_prefetch((const char *)((uintptr_t)(panel1 + t * 2 * PANEL) + PREFETCH_BYTES), _MM_HINT_T1);
         }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {

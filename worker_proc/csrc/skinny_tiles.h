@@ -10,7 +10,7 @@
 #include <string.h>
 
 /* PREFETCH_BYTES: how far ahead of its loads a tile asks for a panel's next weights into L2. A decode
- * step of a few rows reads each weight from memory once and then computes on it from L1; without
+ * step of a few rows reads each weight from memory once and then computes on it from cache; without
  * the prefetch the two take turns, with it the next block streams in while this one computes:
  * 1.1-1.3x on one decode step's linears at 1-16 rows, 1.05x at 64, prompt steps unchanged
  * (docs/benchmarks.md, "Decode linears: the next weights while computing"). */
@@ -74,7 +74,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int mr, c
         for (int j = 0; j < NP; j++) {
             const char *at = (const char *)panel + j * panel_step;
             panel_row(at, t, &w0[j], &w1[j], W16);
-            _mm_prefetch(at + t * row_bytes + PREFETCH_BYTES, _MM_HINT_T1);  /* a hint: never faults */
+            /* a hint, which never faults; the address is made as an integer, as it may lie past W */
+            _mm_prefetch((const char *)((uintptr_t)at + t * row_bytes + PREFETCH_BYTES), _MM_HINT_T1);
         }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
