@@ -91,10 +91,10 @@ static int64_t make_blocks(const Args *a, int64_t num_tokens, int per_block, int
 }
 
 /* The step's work. Query block b is queries starts[b] .. starts[b + 1]; a decode (its member's only
- * query in the step) over more than split_positions positions is parts_of[b] > 1 parts of part_positions() each (the last
- * one shorter), the partials of its KV head h's part p at partials + partial_at[b] + (h *
- * parts_of[b] + p) * part_floats(), remaining[b] of its items not done yet. items: one per (block,
- * KV head, part). */
+ * query in the step) over more than split_positions positions is parts_of[b] > 1 parts of
+ * part_positions() each (the last one shorter), the partials of its KV head h's part p at partials
+ * + partial_at[b] + (h * parts_of[b] + p) * part_floats(), remaining[b] of its items not done yet.
+ * items: one per (block, KV head, part). */
 typedef struct { int64_t block; int kv_head, part; } Item;
 typedef struct {
     int64_t *starts, num_blocks;             /* [num_blocks + 1] */
@@ -277,9 +277,9 @@ int paged_attend(const void *q, int64_t q_token_stride, void *out, const void *k
             Item item = work.items[i];
             int64_t query = work.starts[item.block];
             int count = (int)(work.starts[item.block + 1] - query);
-            /* a prompt query alone in its block still takes the block path: a query's output does
-             * not depend on where the step's token budget cut its prompt into chunks */
-            if (attend_block != NULL && (count > 1 || !is_decode(&args, query, num_tokens)))
+            /* every query of a prompt chunk takes the block path, one alone in its block too: a
+             * query's output does not depend on where the step's token budget cut its prompt */
+            if (attend_block != NULL && !is_decode(&args, query, num_tokens))
                 attend_block(&args, query, count, item.kv_head, scores);
             else attend(&args, query, item.kv_head, part_of(&work, item, context_lens[query], group, head_dim), scores);
             if (work.parts_of[item.block] > 1 && last_of_block(&work, item.block)) merge_parts(&args, &work, item.block);
