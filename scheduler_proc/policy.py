@@ -14,12 +14,14 @@ from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.scheduled_batch import ScheduledBatch
 
 
-def without_lone_query(num_tokens: int, num_remaining: int, most: int) -> int:
-    """num_tokens of a member's num_remaining uncomputed ones, cut so that neither the chunk nor
-    what it leaves for the next step is a single token, where a step may give it `most` >= 3; 0 =
-    not this step. The attention kernel takes a member's only query in a step for a decode, whose
-    last bits differ from the block path's: fp32 logits would then depend on where a step's budget
-    cut the prompt. Here they do not (tests/worker_proc/test_worker_batch_invariance.py)."""
+def without_lone_query(num_remaining: int, budget: int, most: int) -> int:
+    """Tokens for a member with num_remaining uncomputed ones, at most the budget left in this step
+    and the `most` a step may give it, cut so that neither the chunk nor what it leaves for the next
+    step is a single token where `most` >= 3; 0 = not this step. The attention kernel takes a
+    member's only query in a step for a decode, whose last bits differ from the block path's: fp32
+    logits would then depend on where a step's budget cut the prompt. Here they do not
+    (tests/worker_proc/test_worker_batch_invariance.py)."""
+    num_tokens = min(num_remaining, budget, most)
     if num_tokens == num_remaining or most < 3:
         return num_tokens
     if num_remaining - num_tokens == 1:
@@ -108,8 +110,7 @@ class ContinuousPolicy:
         owing = next((request for request in queues.running if request.solo_owed), None)
         if owing is not None:
             num_computed = owing.num_computed_tokens
-            num_remaining = owing.num_tokens - num_computed
-            num_tokens = without_lone_query(min(num_remaining, budget), num_remaining, budget)
+            num_tokens = without_lone_query(owing.num_tokens - num_computed, budget, budget)
             if self._allocate_or_preempt(owing, num_computed + num_tokens):
                 batch.add(owing, num_computed, num_tokens)
                 return batch
@@ -126,7 +127,7 @@ class ContinuousPolicy:
         if not block_manager.can_allocate(head, head.num_tokens, prefix):
             return None
         num_remaining = head.num_tokens - len(prefix) * block_manager.block_size
-        num_tokens = without_lone_query(min(num_remaining, budget), num_remaining, budget)
+        num_tokens = without_lone_query(num_remaining, budget, budget)
         if not start_member(head, prefix, num_tokens, batch, block_manager):
             return None
         queues.admit(0)
@@ -144,7 +145,7 @@ class ContinuousPolicy:
         if is_long and self._num_long_prefills >= self.config.max_num_partial_prefills:
             return 0
         most = min(threshold, self.config.max_num_batched_tokens) if is_long else self.config.max_num_batched_tokens
-        num_tokens = without_lone_query(min(num_remaining, budget, most), num_remaining, most)
+        num_tokens = without_lone_query(num_remaining, budget, most)
         if is_long and num_tokens:
             self._num_long_prefills += 1
         return num_tokens

@@ -90,12 +90,12 @@ def test_a_prompt_that_would_get_one_token_of_the_budget_waits_for_the_next_step
     assert harness.step().num_scheduled_tokens.tolist() == [1, 6]
 
 
-@pytest.mark.parametrize(("num_tokens", "num_remaining", "most", "expected"), [
+@pytest.mark.parametrize(("budget", "num_remaining", "most", "expected"), [
     (8, 8, 8, 8), (8, 9, 8, 7), (2, 3, 8, 0), (1, 5, 8, 0), (1, 1, 8, 1), (5, 9, 8, 5),
     (2, 3, 2, 2), (1, 5, 2, 1)])  # most < 3: lone tokens cannot be avoided, the cut stands
-def test_a_chunk_neither_is_nor_leaves_a_lone_token(num_tokens: int, num_remaining: int, most: int,
+def test_a_chunk_neither_is_nor_leaves_a_lone_token(budget: int, num_remaining: int, most: int,
                                                     expected: int) -> None:
-    assert without_lone_query(num_tokens, num_remaining, most) == expected
+    assert without_lone_query(num_remaining, budget, most) == expected
 
 
 def test_decodes_go_first_and_prefill_gets_the_rest_of_the_budget() -> None:
