@@ -15,6 +15,7 @@ from worker_proc.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from worker_proc.layers.native_decoder import NativeDecoder
 from worker_proc.layers.norm import RMSNorm
 from worker_proc.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_proc.layers.skinny import SkinnyLinear
@@ -145,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         if config.tie_word_embeddings:
             self.tie_lm_head()
+        # set by the runner where every piece of a layer has its native kernel (CPU): steps it
+        # serves run all layers in one call, with the same results
+        self.native_decoder: NativeDecoder | None = None
 
     def tie_lm_head(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -176,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         cos, signed_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if self.native_decoder is not None and self.native_decoder.serves(meta, len(hidden)):
+            return self.native_decoder(hidden, cos, signed_sin, meta, kv_caches, rows)
         residual = None
         last = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):

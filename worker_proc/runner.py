@@ -25,6 +25,7 @@ from worker_proc.kv_cache import (
 )
 from worker_proc.layers.linear import cpu_prepack_supported
 from worker_proc.layers.fused_cpu import fused_cpu_ops_for
+from worker_proc.layers.native_decoder import native_decoder_for
 from worker_proc.layers.skinny import skinny_linear_for
 from worker_proc.loader import load_model
 from worker_proc.logprobs import (
@@ -63,6 +64,8 @@ class ModelRunner:
         if self.device.type == "cpu" and cpu_prepack_supported(dtype):
             self.model.pack_for_cpu(skinny_linear_for(dtype, config.cpu_isa),
                                     fused_cpu_ops_for(dtype, config.cpu_isa))
+            self.model.native_decoder = native_decoder_for(self.model, self.attention, self.kv_dtype, config.cpu_isa,
+                                                           config.tensor_parallel_size)
             packed = [m.skinny for m in self.model.modules() if getattr(m, "skinny", None) is not None]
             if any(weight.widened for weight in packed):
                 log.info("linears: %d of %d weights kept as bf16, which holds every value of them exactly; "

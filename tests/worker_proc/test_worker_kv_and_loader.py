@@ -168,6 +168,7 @@ def test_a_float32_model_hands_the_reference_float32_queries_over_a_bfloat16_cac
             continue
         if backend == "native":
             native_mixes = runner.attention.mixed_dtypes
+        runner.model.native_decoder = None  # the layers one by one, through the backend's forward
         runner.logits_for_all_tokens(make_plan([Seq("a", [5, 6, 7])], [3], BlockPool(64, block_size=4)))
     by_backend = {name: {(q, k) for other, q, k in seen if other == name} for name, _, _ in seen}
     assert by_backend["TorchPagedAttention"] == {(torch.float32, torch.float32)}

@@ -142,6 +142,7 @@ def test_the_last_layers_mlp_runs_only_for_the_rows_the_lm_head_reads(variant: t
     after such steps still equal HF's greedy choice, so the K/V they cached are whole."""
     model_dir, hf = variant
     runner = ModelRunner(tiny_engine_config(model_dir), rank=0, show_progress=False)
+    runner.model.native_decoder = None  # the layers one by one, where hooks see them (its rows: test_worker_native_decoder)
     seen: dict[str, list[int]] = {"first": [], "last": []}
     layers = runner.model.model.layers
     layers[0].mlp.register_forward_hook(lambda _m, args, _o: seen["first"].append(args[0].shape[0]))

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from worker_proc.attention.native_kernel import vectorised_library
 from worker_proc.model_config import load_model_config
 from worker_proc.tools import profile_step
 from worker_proc.tools.stopwatch import Stopwatch
@@ -43,6 +45,9 @@ def test_a_profile_of_the_tiny_model_splits_each_step_and_sets_compute_against_i
         parts = sum(v for k, v in ms.items() if k != "total")
         assert abs(parts - ms["total"]) <= 0.1 * ms["total"]  # medians per category, so not exact
         assert set(report["steps"][name]["floor_ms"]) == {"linears", "lm_head", "attention"}
+        if not isinstance(vectorised_library(torch.float32, (torch.float32,), "", "skinny_linear_supported"), str):
+            # the worker runs these steps' layers in one native call: its total beside the categories
+            assert report["steps"][name]["one_call_total_ms"] > 0
 
 
 def test_a_bfloat16_profile_measures_both_peaks_with_the_kernel_of_each_dtype(

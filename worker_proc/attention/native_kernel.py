@@ -21,7 +21,7 @@ from worker_proc.attention.native_build import NativeBuildError, build
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "load_paged_attention",
-           "vectorised_library"]
+           "failure_of", "vectorised_library"]
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_attend's C signature, in order (csrc/paged_attention.c).
@@ -105,8 +105,8 @@ class PagedAttentionKernel:
                               _DTYPES[q.dtype, k_cache.dtype], *split, num_threads,
                               ctypes.byref(where))  # checked above
         if status != 0:
-            raise _failure(status, where.value, block_tables, token_members, context_lens, num_slots,
-                           block_size, (num_heads, num_kv_heads, head_dim), split_positions)
+            raise failure_of(status, where.value, block_tables, token_members, context_lens, num_slots,
+                             block_size, (num_heads, num_kv_heads, head_dim), split_positions)
 
 
 def _checked(path: int, dtypes: int) -> int:
@@ -143,9 +143,9 @@ def _check_layouts(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     return num_heads, num_kv_heads, head_dim, num_slots
 
 
-def _failure(status: int, where: int, block_tables: torch.Tensor, token_members: torch.Tensor,
-             context_lens: torch.Tensor, num_slots: int, block_size: int,
-             shape: tuple[int, int, int], split_positions: int) -> Exception:
+def failure_of(status: int, where: int, block_tables: torch.Tensor, token_members: torch.Tensor,
+               context_lens: torch.Tensor, num_slots: int, block_size: int,
+               shape: tuple[int, int, int], split_positions: int) -> Exception:
     """The exception for paged_attend's nonzero status (enum Status), naming what is at fault."""
     num_seqs, max_blocks = block_tables.shape
     if status == -7:

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "layer_kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "avx2_lanes.h"

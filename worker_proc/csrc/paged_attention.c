@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "paged_attention.h"
+#include "layer_kernels.h"
 
 #define MAX_THREADS 64
 

@@ -15,6 +15,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "layer_kernels.h"
 
 enum { BF16_OK = 0, BF16_BAD_SHAPE = -1, BF16_UNSUPPORTED = -2 };
 

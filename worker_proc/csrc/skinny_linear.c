@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "layer_kernels.h"
 
 enum { SKINNY_OK = 0, SKINNY_BAD_SHAPE = -1, SKINNY_UNSUPPORTED = -2, SKINNY_NO_MEMORY = -3 };
 

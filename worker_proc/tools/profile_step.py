@@ -10,7 +10,9 @@ beside them) and memory GB/s (reading a large tensor; a copy's read + write rate
 reported beside it). Then steps of the real ModelRunner (a prefill chunk, decode steps at each
 batch size), every call timed into one category by exclusive wall time (tools.stopwatch): linears,
 LM head, attention, norms, rope, activations (silu * up), embedding, layer glue (views, splits, the
-Python between layers), plan building, sampler, runner glue. Each compute category is set
+Python between layers), plan building, sampler, runner glue, with the layers run one by one; where
+the worker runs a step's layers in one native call (layers.native_decoder), that step's total as
+served beside them (one_call_total_ms). Each compute category is set
 against its floor at the measured peak (the larger of FLOPs / peak FLOP/s and bytes read / GB/s).
 The scheduler's side of a step (schedule, codec, the IPC round trip, update) comes from
 scheduler_proc.tools.bench_overhead at the same batch size, run as its own process.
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from proto.config import CPU_ISAS, DTYPES, KV_CACHE_DTYPE_CHOICES, EngineConfig
+from proto.messages import StepPlan
 from worker_proc import model as model_module
 from worker_proc import runner as runner_module
 from worker_proc.batch import synthetic_plan
@@ -145,12 +148,8 @@ def floors(config: ModelConfig, contexts: np.ndarray, num_scheduled: np.ndarray,
             "attention": floor(attention_flops, int(contexts.sum()) * kv_row)}
 
 
-def profile(runner: ModelRunner, watch: Stopwatch, contexts: np.ndarray, num_scheduled: np.ndarray,
-            steps: int, max_blocks: int) -> dict[str, float]:
+def profile(runner: ModelRunner, watch: Stopwatch, plan: StepPlan, steps: int) -> dict[str, float]:
     """Median milliseconds per category over `steps` runs of one plan."""
-    rng = np.random.default_rng(0)
-    input_ids = rng.integers(0, runner.model.config.vocab_size, int(num_scheduled.sum()))
-    plan = synthetic_plan(1, contexts, num_scheduled, input_ids, max_blocks)
     runner.execute(plan)
     watch.take()
     per_step = []
@@ -214,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = torch_dtype(args.dtype).itemsize if head is None else head.panels.element_size()
     watch = Stopwatch()
     instrument(runner, watch)
+    decoder, runner.model.native_decoder = runner.model.native_decoder, None  # categories: layer by layer
     # (name, contexts, num_scheduled, blocks per member, running requests)
     scenarios = [(f"decode_{b}x{args.context}", np.full(b, args.context + 1), np.ones(b, np.int64),
                   decode_blocks, b) for b in batches]
@@ -222,15 +222,22 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_blocks, 0))
     steps = {}
     for name, contexts, num_scheduled, max_blocks, num_seqs in scenarios:
-        measured = profile(runner, watch, contexts, num_scheduled, args.steps, max_blocks)
+        input_ids = np.random.default_rng(0).integers(0, model.vocab_size, int(num_scheduled.sum()))
+        plan = synthetic_plan(1, contexts, num_scheduled, input_ids, max_blocks)
+        measured = profile(runner, watch, plan, args.steps)
         floor = floors(model, contexts, num_scheduled, weight_bytes, peak_gflops,
                        peak["memory_gbps"], torch_dtype(config.kv_dtype).itemsize)
         steps[name] = {"ms": measured, "floor_ms": {k: round(v * 1e3, 3) for k, v in floor.items()},
                        "share_of_floor": {k: round(floor[k] * 1e3 / measured[k], 3) for k in COMPUTE
                                           if measured.get(k)}}
+        if decoder is not None and decoder.serves(runner._batch(plan).attn, len(input_ids)):
+            runner.model.native_decoder = decoder  # the step as served: every layer in one call
+            steps[name]["one_call_total_ms"] = profile(runner, watch, plan, args.steps)["total"]
+            runner.model.native_decoder = None
         if num_seqs and not args.no_scheduler:
             steps[name]["scheduler_and_ipc"] = scheduler_side(num_seqs)
-        print(f"{name}: {json.dumps(steps[name]['ms'])}", file=sys.stderr)
+        print(f"{name}: {json.dumps(steps[name]['ms'])}; in one call: {steps[name].get('one_call_total_ms')}",
+              file=sys.stderr)
     report = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": config.kv_dtype,
               "weight_bytes": weight_bytes,
               "cpu_isa_cap": args.cpu_isa or None, "torch": torch.__version__,
