@@ -113,10 +113,11 @@ static char *allocate(const DecoderModel *m, const DecoderStep *s, Buffers *b) {
                        t * q * bytes, t * 2 * m->inter * bytes, t * m->inter * bytes, r * q * bytes, r * hidden};
     char **slots[] = {&b->sums[0], &b->sums[1], &b->normed, &b->qkv, &b->attn, &b->gate_up, &b->act,
                       &b->attn_rows, &b->residual_rows};
+    int count = (int)(sizeof sizes / sizeof sizes[0]);
     int64_t total = 0;
-    for (int i = 0; i < 9; i++) total += (sizes[i] + 63) / 64 * 64;
+    for (int i = 0; i < count; i++) total += (sizes[i] + 63) / 64 * 64;
     char *base = aligned_alloc(64, (size_t)(total > 0 ? total : 64)), *at = base;
-    for (int i = 0; i < 9 && base != NULL; i++) { *slots[i] = at; at += (sizes[i] + 63) / 64 * 64; }
+    for (int i = 0; i < count && base != NULL; i++) { *slots[i] = at; at += (sizes[i] + 63) / 64 * 64; }
     return base;
 }
 
