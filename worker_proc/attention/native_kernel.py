@@ -21,7 +21,7 @@ from worker_proc.attention.native_build import NativeBuildError, build
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeBuildError", "PagedAttentionKernel", "load_native_library", "load_paged_attention",
-           "failure_of", "vectorised_library"]
+           "failure_of", "thread_count", "vectorised_library"]
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # paged_attend's C signature, in order (csrc/paged_attention.c).
@@ -176,6 +176,12 @@ def load_paged_attention(cpu_isa: str = "") -> PagedAttentionKernel:
     """Built for cpu_isa (EngineConfig.cpu_isa; '' = all this CPU has) or reused, and loaded once per
     process. Raises NativeBuildError."""
     return PagedAttentionKernel(*load_native_library(cpu_isa))
+
+
+def thread_count(num_threads_cap: int | None) -> int:
+    """The threads a native call may use: torch's, under the library's cap (load_native_library)."""
+    num_threads = torch.get_num_threads()
+    return num_threads if num_threads_cap is None else min(num_threads, num_threads_cap)
 
 
 @functools.cache

@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from worker_proc.attention.native_kernel import thread_count, vectorised_library
+
 log = logging.getLogger(__name__)
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -40,10 +42,6 @@ class FusedCpuOps:
         self._rotary.restype = None
         self.num_threads_cap = num_threads_cap
 
-    def _threads(self) -> int:
-        num_threads = torch.get_num_threads()
-        return num_threads if self.num_threads_cap is None else min(num_threads, self.num_threads_cap)
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """norm(x) as a new tensor. x: [rows, dim], the ops' dtype (as every tensor below)."""
         return self._norm(x.contiguous(), None, weight, eps)
@@ -64,7 +62,7 @@ class FusedCpuOps:
                              f"{self._name} {tuple(x.shape)}")
         out = torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                           out.data_ptr(), x.shape[0], x.shape[1], eps, self._threads())
+                           out.data_ptr(), x.shape[0], x.shape[1], eps, thread_count(self.num_threads_cap))
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -75,7 +73,7 @@ class FusedCpuOps:
         if width % 2:
             raise ValueError(f"silu_mul: gate_up has {width} columns, not two equal halves")
         out = gate_up.new_empty(rows, width // 2)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self._threads())
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, thread_count(self.num_threads_cap))
         return out
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
@@ -90,7 +88,7 @@ class FusedCpuOps:
                 raise ValueError(f"rotary needs a contiguous {self._name} {name} [{tokens}, 1, {head_dim}], got "
                                  f"{table.dtype} {tuple(table.shape)}")
         self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), tokens, heads, head_dim,
-                     self._threads())
+                     thread_count(self.num_threads_cap))
 
     def _check_rows(self, name: str, x: torch.Tensor, dim: int) -> None:
         if x.dtype != self.dtype or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != dim:
@@ -104,8 +102,6 @@ class FusedCpuOps:
 def fused_cpu_ops_for(dtype: torch.dtype, cpu_isa: str) -> FusedCpuOps | None:
     """The native passes when they serve this dtype on this CPU (fp32 or bf16, built with AVX2 + FMA
     under the ISA cap), else None with the reason logged: the layers then run torch's kernels."""
-    from worker_proc.attention.native_kernel import vectorised_library
-
     found = vectorised_library(dtype, (torch.float32, torch.bfloat16), cpu_isa, "fused_ops_vectorised")
     if isinstance(found, str):
         log.info("norms, rotary, silu: torch (%s)", found)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_proc.attention.native import NativeMetadata, NativePagedAttention
-from worker_proc.attention.native_kernel import failure_of, load_native_library
+from worker_proc.attention.native_kernel import failure_of, load_native_library, thread_count
 from worker_proc.layers.skinny import MAX_ROWS, SkinnyWeight
 
 if TYPE_CHECKING:
@@ -99,15 +99,12 @@ class NativeDecoder:
             raise ValueError(f"native decoder: rows must be contiguous int64, got {rows.dtype} {tuple(rows.shape)}")
         out = embedded.new_empty(num_tokens if rows is None else len(rows), embedded.shape[1])
         tables = meta.block_tables
-        num_threads = torch.get_num_threads()
-        if self.num_threads_cap is not None:
-            num_threads = min(num_threads, self.num_threads_cap)
         step = _Step(num_tokens, embedded.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
                      meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1],
                      meta.token_members.data_ptr(), meta.token_context_lens.data_ptr(),
                      ctypes.addressof(self._cache_pointers(kv_caches)), kv_caches[0][0].shape[1],
                      None if rows is None else rows.data_ptr(), -1 if rows is None else len(rows), out.data_ptr(),
-                     num_threads)
+                     thread_count(self.num_threads_cap))
         if self._call(ctypes.byref(self._model), ctypes.byref(step)) != 0:
             raise self._failure(tuple(step.failure), meta, kv_caches, rows)
         return out

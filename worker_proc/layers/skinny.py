@@ -25,6 +25,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from worker_proc.attention.native_kernel import thread_count, vectorised_library
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # above this oneDNN's packed GEMM is faster, unless the kernel serves all rows (all_rows)
@@ -126,9 +128,7 @@ class SkinnyLinear:
         if bias is not None and (bias.dtype != self.dtype or bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"skinny linear needs a contiguous {name} bias [{n}], got {bias.dtype} {tuple(bias.shape)}")
         out = x.new_empty(m, n)
-        num_threads = torch.get_num_threads()
-        if self.num_threads_cap is not None:
-            num_threads = min(num_threads, self.num_threads_cap)
+        num_threads = thread_count(self.num_threads_cap)
         row_stride = x.stride(0) if m > 1 else k  # a lone row's stride is never used
         status = (self._wide if wide else self._linear)(x.data_ptr(), row_stride, panels.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, num_threads)
@@ -162,7 +162,6 @@ def skinny_linear_for(dtype: torch.dtype, cpu_isa: str) -> SkinnyLinear | None:
     FMA; bf16 built with AVX512-BF16, on a CPU without AMX), else None with the reason logged: the
     layers then run oneDNN alone."""
     from worker_proc.attention import has_matrix_units
-    from worker_proc.attention.native_kernel import vectorised_library
 
     if dtype == torch.bfloat16 and has_matrix_units(cpu_isa):
         log.info("linears: oneDNN only (bf16 on AMX: oneDNN's AMX GEMM)")
